@@ -1,0 +1,40 @@
+"""Typed errors. Each message is a sentence that says what went wrong and what to do about it.
+
+Kept free of torch and onnx imports so the runtime can use it on an edge device.
+"""
+
+
+class Gpt2EdgeError(Exception):
+    """Base class of every error gpt2edge raises on purpose (the CLI prints it as one line, exit 1)."""
+
+
+class CheckpointError(Gpt2EdgeError):
+    """The source checkpoint cannot be found, is not GPT-2, or has no usable weights."""
+
+
+class OutputExistsError(Gpt2EdgeError):
+    """The output folder exists and --force was not given."""
+
+
+class ExportError(Gpt2EdgeError):
+    """Tracing or writing the ONNX graph failed, or an export option is not supported."""
+
+
+class ValidationError(Gpt2EdgeError):
+    """ONNX Runtime and PyTorch (or two variants) disagree beyond the stated tolerance."""
+
+
+class ModelFolderError(Gpt2EdgeError):
+    """A folder is not a gpt2edge export, or its files do not match its manifest."""
+
+
+class GenerationError(Gpt2EdgeError):
+    """Invalid generation parameters, a prompt that does not fit, or a numerical failure while decoding."""
+
+
+class DeviceError(Gpt2EdgeError):
+    """The requested execution provider is not available in this onnxruntime build."""
+
+
+class QuantizeError(Gpt2EdgeError):
+    """An unsupported or pointless quantization request."""

@@ -1,0 +1,128 @@
+"""export_model: HF checkpoint -> a self-contained, validated, atomically written export folder."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+import gpt2edge
+from gpt2edge.errors import ExportError
+from gpt2edge.export.checkpoint import load_checkpoint
+from gpt2edge.export.model import HEAD_MODES, from_hf_model
+from gpt2edge.export.onnx_graph import DEFAULT_OPSET, SUPPORTED_OPSETS, export_graph, io_spec
+from gpt2edge.export.validate import DEFAULT_ATOL, Check, checks_to_json, print_checks, raise_on_failure, validate
+from gpt2edge.folder import atomic_output_dir, check_output_dir
+from gpt2edge.manifest import write_manifest
+
+MODEL_FILE = "model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    manifest: dict[str, Any]
+    checks: list[Check]
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries that shaped the graph, for the manifest."""
+    import onnx
+    import onnxruntime
+    import onnxscript
+    import torch
+    import transformers
+
+    return {
+        "gpt2edge": gpt2edge.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "onnx": onnx.__version__,
+        "onnxscript": onnxscript.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def export_model(
+    source: str,
+    out: Path,
+    *,
+    head: str = "last",
+    opset: int = DEFAULT_OPSET,
+    run_validation: bool = True,
+    atol: float = DEFAULT_ATOL,
+    force: bool = False,
+    revision: str | None = None,
+    tokenizer: str | None = None,
+    log=sys.stderr,
+) -> ExportResult:
+    """Export `source` (local folder or hub id) to `out`. Every check on the arguments runs before any work."""
+    out = Path(out)
+    if head not in HEAD_MODES:
+        raise ExportError(f"Unknown head mode '{head}'; choose one of {', '.join(HEAD_MODES)}.")
+    if opset not in SUPPORTED_OPSETS:
+        raise ExportError(
+            f"Opset {opset} is not supported; choose {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}."
+        )
+    if not atol > 0:
+        raise ExportError(f"--atol must be positive, got {atol}.")
+    check_output_dir(out, force)
+
+    steps = tqdm(total=5 if run_validation else 4, desc="export", unit="step", file=sys.stderr, leave=False)
+    steps.set_postfix_str("loading checkpoint")
+    ckpt = load_checkpoint(source, revision=revision, tokenizer_source=tokenizer)
+    model = from_hf_model(ckpt.model, head=head)
+    steps.update()
+
+    checks: list[Check] = []
+    with atomic_output_dir(out, force=force) as tmp:
+        steps.set_postfix_str("tracing to ONNX")
+        graph_files = export_graph(model, tmp / MODEL_FILE, opset=opset)
+        steps.update()
+
+        steps.set_postfix_str("writing tokenizer and configs")
+        ckpt.tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER_FILE))
+        ckpt.model.config.to_json_file(tmp / "config.json")
+        ckpt.generation_config.to_json_file(tmp / "generation_config.json")
+        steps.update()
+
+        if run_validation:
+            steps.set_postfix_str("validating against PyTorch")
+            checks = validate(tmp / MODEL_FILE, ckpt.model, head=head, atol=atol)
+            steps.update()
+            steps.close()
+            print(f"validation (ONNX Runtime vs PyTorch, atol {atol:g}):", file=log)
+            print_checks(checks, file=log)
+            raise_on_failure(checks)
+
+        manifest = write_manifest(
+            tmp,
+            {
+                "gpt2edge_version": gpt2edge.__version__,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "source": ckpt.source,
+                "dims": {**asdict(model.dims), "head_dim": model.dims.head_dim},
+                "graph": {
+                    "file": MODEL_FILE,
+                    "files": graph_files,
+                    "opset": opset,
+                    "head": head,
+                    "precision": "fp32",
+                    "kv_dtype": "float32",
+                    "tied_lm_head": model.lm_head is None,
+                    **io_spec(model),
+                },
+                "tokenizer": TOKENIZER_FILE,
+                "versions": library_versions(),
+                "validation": {"atol": atol, "checks": checks_to_json(checks)} if run_validation else None,
+            },
+        )
+        steps.update()
+        steps.close()
+    return ExportResult(path=out, manifest=manifest, checks=checks)

@@ -1,0 +1,99 @@
+"""Trace an ExportableGPT2 to ONNX with Optimum-compatible IO names and dynamic batch / sequence axes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from gpt2edge.errors import ExportError
+from gpt2edge.export.model import ExportableGPT2
+
+SUPPORTED_OPSETS = range(18, 24)  # the dynamo exporter starts at 18; 23 is the newest ONNX Runtime runs here
+DEFAULT_OPSET = 18
+# protobuf cannot hold a message over 2 GiB; keep a margin for the graph itself
+EXTERNAL_DATA_THRESHOLD = 1_900_000_000
+
+
+def io_names(n_layer: int) -> tuple[list[str], list[str]]:
+    """Graph input and output names, in order, as Optimum names them."""
+    past = [f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
+    present = [f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
+    return ["input_ids", "attention_mask", "position_ids", *past], ["logprobs", *present]
+
+
+def io_spec(model: ExportableGPT2) -> dict[str, list[dict]]:
+    """Names, dtypes and symbolic shapes of every input and output, for the manifest."""
+    d = model.dims
+    kv = ["batch", d.n_head, "past_seq", d.head_dim]
+    present = ["batch", d.n_head, "past_seq + seq", d.head_dim]
+    logprobs = ["batch", d.vocab_size] if model.head == "last" else ["batch", "seq", d.vocab_size]
+    inputs, outputs = io_names(d.n_layer)
+    return {
+        "inputs": [
+            {"name": inputs[0], "dtype": "int64", "shape": ["batch", "seq"]},
+            {"name": inputs[1], "dtype": "int64", "shape": ["batch", "past_seq + seq"]},
+            {"name": inputs[2], "dtype": "int64", "shape": ["batch", "seq"]},
+            *({"name": n, "dtype": "float32", "shape": kv} for n in inputs[3:]),
+        ],
+        "outputs": [
+            {"name": outputs[0], "dtype": "float32", "shape": logprobs},
+            *({"name": n, "dtype": "float32", "shape": present} for n in outputs[1:]),
+        ],
+    }
+
+
+def _example_inputs(model: ExportableGPT2) -> tuple:
+    # dynamo specialises sizes 0 and 1, so trace with batch 2, seq 3, past 2; the axes stay symbolic
+    d = model.dims
+    B, S, P = 2, 3, 2
+    ids = torch.zeros(B, S, dtype=torch.long)
+    mask = torch.ones(B, P + S, dtype=torch.long)
+    pos = torch.arange(P, P + S).expand(B, S).contiguous()
+    past = tuple(torch.zeros(B, d.n_head, P, d.head_dim) for _ in range(2 * d.n_layer))
+    return ids, mask, pos, *past
+
+
+def export_graph(model: ExportableGPT2, path: Path, opset: int = DEFAULT_OPSET) -> list[str]:
+    """Write the graph to `path`; returns the files written (the .onnx and, for big models, its data file)."""
+    if opset not in SUPPORTED_OPSETS:
+        raise ExportError(
+            f"Opset {opset} is not supported; choose {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}."
+        )
+    inputs, outputs = io_names(model.dims.n_layer)
+    seq_axes = {0: "batch", 1: "seq"}
+    past_axes = {0: "batch", 2: "past_seq"}
+    dynamic_shapes = (seq_axes, {0: "batch", 1: "total_seq"}, seq_axes, tuple(past_axes for _ in inputs[3:]))
+    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    external = n_bytes > EXTERNAL_DATA_THRESHOLD
+    path = Path(path)
+    try:
+        # the exporter reports progress with print(); keep stdout clean for --json callers
+        with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            # torch logs a warning per torchvision op it cannot register; irrelevant here
+            logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+            program = torch.onnx.export(
+                model,
+                _example_inputs(model),
+                input_names=inputs,
+                output_names=outputs,
+                dynamic_shapes=dynamic_shapes,
+                opset_version=opset,
+                dynamo=True,
+                verbose=False,
+            )
+            program.save(str(path), external_data=external)
+    except ExportError:
+        raise
+    except Exception as e:  # the exporter raises many types; name the step that failed
+        raise ExportError(f"Tracing the model to ONNX failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    files = [path.name]
+    data = path.parent / (path.name + ".data")
+    if data.exists():
+        files.append(data.name)
+    return files

@@ -1,0 +1,64 @@
+"""Seeded random-weight GPT-2 checkpoints, saved as ordinary HF folders: for tests, demos and benchmarks.
+
+No model can be downloaded here, so the offline default model is built from a GPT2Config. Its weights are
+random: it exercises every code path and has the real shape, but its text is gibberish.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpt2edge.errors import CheckpointError
+from gpt2edge.folder import atomic_output_dir
+from gpt2edge.sample_text import SAMPLE_TEXT
+
+EOS = "<|endoftext|>"
+# name -> GPT2Config overrides; "small" is the real 124M GPT-2 shape (vocab from the tokenizer)
+SIZES = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=64, n_positions=128),
+    "mini": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256),
+    "small": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024),
+}
+
+
+def train_tokenizer(vocab_size: int = 400, text: str = SAMPLE_TEXT):
+    """A byte-level BPE tokenizer trained in-process (GPT-2's scheme), wrapped as a transformers fast tokenizer."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer(add_prefix_space=False)
+    bpe.train_from_iterator(text.splitlines(), vocab_size=vocab_size, min_frequency=1, special_tokens=[EOS])
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token=EOS, eos_token=EOS, unk_token=EOS)
+
+
+def make_random_checkpoint(
+    out: Path, size: str = "tiny", seed: int = 0, tokenizer_dir: str | None = None, force: bool = False
+) -> Path:
+    """Write a random-weight GPT2LMHeadModel + tokenizer to `out` (atomically); returns `out`."""
+    import torch
+    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
+
+    from gpt2edge.export.checkpoint import load_tokenizer
+
+    if size not in SIZES:
+        raise CheckpointError(f"Unknown size '{size}'; choose one of {', '.join(SIZES)}.")
+    if tokenizer_dir:
+        tokenizer = load_tokenizer(tokenizer_dir)
+    elif size == "small":
+        raise CheckpointError(
+            "The 'small' (124M) shape needs the real GPT-2 vocabulary: pass --tokenizer DIR "
+            "(a folder with vocab.json and merges.txt)."
+        )
+    else:
+        tokenizer = train_tokenizer()
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    if not isinstance(eos_id, int) or tokenizer.convert_ids_to_tokens(eos_id) != EOS:
+        raise CheckpointError(f"The tokenizer has no {EOS} token; use a GPT-2 byte-level BPE tokenizer.")
+    config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=eos_id, eos_token_id=eos_id, **SIZES[size])
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config).eval()
+    with atomic_output_dir(Path(out), force=force) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, do_sample=False).save_pretrained(tmp)
+    return Path(out)

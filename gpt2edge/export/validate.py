@@ -1,0 +1,137 @@
+"""Check an exported graph against the PyTorch source on fixed inputs, printing maxdiff per output.
+
+Cases: a left-padded batch of 2 with an empty past (prefill), then one decode step per row with the past
+that PyTorch produced. Presents are compared at non-padded positions only: padded slots are never attended.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpt2edge.errors import ValidationError
+
+DEFAULT_ATOL = 1e-4
+
+
+@dataclass
+class Check:
+    case: str
+    output: str
+    maxdiff: float
+    atol: float
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.maxdiff <= self.atol)
+
+
+def hf_step(hf_model, ids, mask, pos, past: list[torch.Tensor] | None):
+    """One forward of the transformers model; returns (logprobs (B, S, V), flat presents)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf_model.config)
+    if past:
+        for i in range(0, len(past), 2):
+            cache.update(past[i], past[i + 1], i // 2)
+    with torch.no_grad():
+        # cache passed by position: transformers renamed the keyword (past_key_values -> cache) in 5.x
+        out = hf_model(ids, cache, attention_mask=mask, position_ids=pos, use_cache=True)
+    out_cache = getattr(out, "cache", None) or out.past_key_values
+    presents = []
+    for layer in out_cache.layers:
+        presents += [layer.keys, layer.values]
+    return torch.log_softmax(out.logits.float(), dim=-1), presents
+
+
+def position_ids_from_mask(mask: np.ndarray, seq: int) -> np.ndarray:
+    """Left padding: each row counts its own tokens, pads get 0. Returns the last `seq` columns."""
+    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    return pos[:, -seq:].astype(np.int64)
+
+
+def fixed_inputs(vocab_size: int, n_positions: int, seed: int = 0):
+    """A left-padded batch of 2 (row 1 has 2 pads) and one next token per row."""
+    rng = np.random.default_rng(seed)
+    S = max(2, min(7, n_positions - 2))
+    ids = rng.integers(0, vocab_size, size=(2, S), dtype=np.int64)
+    mask = np.ones((2, S), dtype=np.int64)
+    mask[1, : min(2, S - 1)] = 0
+    nxt = rng.integers(0, vocab_size, size=(2, 1), dtype=np.int64)
+    return ids, mask, nxt
+
+
+def validate(onnx_path: Path, hf_model, head: str = "last", atol: float = DEFAULT_ATOL, log=None) -> list[Check]:
+    """Run ORT and PyTorch side by side; returns every check (raise_on_failure turns them into an error)."""
+    import onnxruntime as ort
+
+    cfg = hf_model.config
+    L, H, D = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
+    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    in_names = [i.name for i in sess.get_inputs()]
+    out_names = [o.name for o in sess.get_outputs()]
+    ids, mask, nxt = fixed_inputs(cfg.vocab_size, cfg.n_positions)
+    B, S = ids.shape
+    checks: list[Check] = []
+
+    def compare(case, ort_out, ref_logprobs, ref_presents, step_mask, seq):
+        real = step_mask[:, -seq:].astype(bool)  # (B, seq): which query positions are real tokens
+        got = ort_out[0]
+        if head == "last":
+            diff = np.abs(got - ref_logprobs[:, -1].numpy()).max()
+        else:
+            diff = np.abs(got - ref_logprobs.numpy())[real].max()
+        checks.append(Check(case, "logprobs", float(diff), atol))
+        keep = step_mask.astype(bool)  # (B, T): cache slots that hold real tokens
+        worst = 0.0
+        for o, ref in zip(ort_out[1:], ref_presents):
+            d = np.abs(o - ref.numpy()).transpose(0, 2, 1, 3)[keep]  # (n_real, nh, hs)
+            worst = max(worst, float(d.max()))
+        checks.append(Check(case, f"present.* ({2 * L} tensors)", worst, atol))
+
+    # case 1: prefill, empty past, left-padded batch of 2
+    pos = position_ids_from_mask(mask, S)
+    empty = [np.zeros((B, H, 0, D), np.float32) for _ in range(2 * L)]
+    feed = dict(zip(in_names, [ids, mask, pos, *empty]))
+    ort_out = sess.run(out_names, feed)
+    ref_lp, ref_present = hf_step(hf_model, *map(torch.from_numpy, (ids, mask, pos)), None)
+    compare("prefill, left-padded batch of 2, empty past", ort_out, ref_lp, ref_present, mask, S)
+
+    # case 2: decode one token per row on PyTorch's past
+    mask2 = np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1)
+    pos2 = position_ids_from_mask(mask2, 1)
+    past = [p.numpy() for p in ref_present]
+    ort_out = sess.run(out_names, dict(zip(in_names, [nxt, mask2, pos2, *past])))
+    ref_lp, ref_present = hf_step(hf_model, *map(torch.from_numpy, (nxt, mask2, pos2)), list(ref_present))
+    compare("decode 1 token with past", ort_out, ref_lp, ref_present, mask2, 1)
+
+    if log is not None:
+        print_checks(checks, log)
+    return checks
+
+
+def print_checks(checks: list[Check], file=sys.stderr) -> None:
+    """The validation table: one row per case and output, maxdiff against the tolerance, ✓ or ✗."""
+    width = max(len(c.case) for c in checks)
+    for c in checks:
+        mark = "✓" if c.ok else "✗"
+        print(f"  {mark} {c.case:<{width}}  {c.output:<24} maxdiff {c.maxdiff:.2e}  (atol {c.atol:.0e})", file=file)
+
+
+def raise_on_failure(checks: list[Check]) -> None:
+    bad = [c for c in checks if not c.ok]
+    if bad:
+        worst = max(bad, key=lambda c: c.maxdiff)
+        raise ValidationError(
+            f"ONNX Runtime differs from PyTorch beyond atol: {worst.output} in '{worst.case}' "
+            f"has maxdiff {worst.maxdiff:.3g} > {worst.atol:g} ({len(bad)} check(s) failed). "
+            "Hint: try another --opset, or raise --atol if the model is large and the gap is float rounding."
+        )
+
+
+def checks_to_json(checks: list[Check]) -> list[dict]:
+    return [{**asdict(c), "ok": c.ok} for c in checks]

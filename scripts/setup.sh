@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up .venv with everything gpt2edge needs (export, runtime, tests). Idempotent: re-running is quick.
+#   bash scripts/setup.sh          CPU (onnxruntime)
+#   bash scripts/setup.sh --gpu    CUDA (onnxruntime-gpu instead of onnxruntime; never both)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
+# torch first, pinned: an unpinned torch (directly or through transformers) pulls a multi-GB CUDA build
+python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null || pip_q torch==2.13.0
+if [ "${1:-}" = "--gpu" ]; then
+    pip_q --no-deps -e .
+    pip_q numpy tokenizers click tqdm transformers onnx onnxscript safetensors pytest ruff psutil
+    python -m pip uninstall -q -y onnxruntime 2>/dev/null || true
+    pip_q --force-reinstall --no-deps onnxruntime-gpu
+else
+    python -c "import importlib.metadata as m; m.version('onnxruntime-gpu')" 2>/dev/null \
+        && { echo "onnxruntime-gpu is installed in .venv; remove .venv or run with --gpu" >&2; exit 1; }
+    pip_q -e '.[export,dev]'
+fi
