@@ -91,7 +91,7 @@ def load_checkpoint(source: str, revision: str | None = None, tokenizer_source: 
         model = GPT2LMHeadModel.from_pretrained(
             location, revision=revision, weights_only=True, attn_implementation="eager", dtype="float32"
         )
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # safetensors, pickle (UnpicklingError) and shape errors all land here
         raise CheckpointError(f"Cannot load the weights of {source}: {str(e).splitlines()[0]}") from e
     model.eval()
 

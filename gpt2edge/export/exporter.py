@@ -74,55 +74,54 @@ def export_model(
         raise ExportError(f"--atol must be positive, got {atol}.")
     check_output_dir(out, force)
 
-    steps = tqdm(total=5 if run_validation else 4, desc="export", unit="step", file=sys.stderr, leave=False)
-    steps.set_postfix_str("loading checkpoint")
-    ckpt = load_checkpoint(source, revision=revision, tokenizer_source=tokenizer)
-    model = from_hf_model(ckpt.model, head=head)
-    steps.update()
-
     checks: list[Check] = []
-    with atomic_output_dir(out, force=force) as tmp:
-        steps.set_postfix_str("tracing to ONNX")
-        graph_files = export_graph(model, tmp / MODEL_FILE, opset=opset)
+    # the bar closes (and clears itself) on any error, so a failure prints one clean line
+    with tqdm(total=5 if run_validation else 4, desc="export", unit="step", file=sys.stderr, leave=False) as steps:
+        steps.set_postfix_str("loading checkpoint")
+        ckpt = load_checkpoint(source, revision=revision, tokenizer_source=tokenizer)
+        model = from_hf_model(ckpt.model, head=head)
         steps.update()
-
-        steps.set_postfix_str("writing tokenizer and configs")
-        ckpt.tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER_FILE))
-        ckpt.model.config.to_json_file(tmp / "config.json")
-        ckpt.generation_config.to_json_file(tmp / "generation_config.json")
-        steps.update()
-
-        if run_validation:
-            steps.set_postfix_str("validating against PyTorch")
-            checks = validate(tmp / MODEL_FILE, ckpt.model, head=head, atol=atol)
+        with atomic_output_dir(out, force=force) as tmp:
+            steps.set_postfix_str("tracing to ONNX")
+            graph_files = export_graph(model, tmp / MODEL_FILE, opset=opset)
             steps.update()
-            steps.close()
-            print(f"validation (ONNX Runtime vs PyTorch, atol {atol:g}):", file=log)
-            print_checks(checks, file=log)
-            raise_on_failure(checks)
 
-        manifest = write_manifest(
-            tmp,
-            {
-                "gpt2edge_version": gpt2edge.__version__,
-                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "source": ckpt.source,
-                "dims": {**asdict(model.dims), "head_dim": model.dims.head_dim},
-                "graph": {
-                    "file": MODEL_FILE,
-                    "files": graph_files,
-                    "opset": opset,
-                    "head": head,
-                    "precision": "fp32",
-                    "kv_dtype": "float32",
-                    "tied_lm_head": model.lm_head is None,
-                    **io_spec(model),
+            steps.set_postfix_str("writing tokenizer and configs")
+            ckpt.tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER_FILE))
+            ckpt.model.config.to_json_file(tmp / "config.json")
+            ckpt.generation_config.to_json_file(tmp / "generation_config.json")
+            steps.update()
+
+            if run_validation:
+                steps.set_postfix_str("validating against PyTorch")
+                checks = validate(tmp / MODEL_FILE, ckpt.model, head=head, atol=atol)
+                steps.update()
+                steps.clear()
+                print(f"validation (ONNX Runtime vs PyTorch, atol {atol:g}):", file=log)
+                print_checks(checks, file=log)
+                raise_on_failure(checks)
+
+            manifest = write_manifest(
+                tmp,
+                {
+                    "gpt2edge_version": gpt2edge.__version__,
+                    "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "source": ckpt.source,
+                    "dims": {**asdict(model.dims), "head_dim": model.dims.head_dim},
+                    "graph": {
+                        "file": MODEL_FILE,
+                        "files": graph_files,
+                        "opset": opset,
+                        "head": head,
+                        "precision": "fp32",
+                        "kv_dtype": "float32",
+                        "tied_lm_head": model.lm_head is None,
+                        **io_spec(model),
+                    },
+                    "tokenizer": TOKENIZER_FILE,
+                    "versions": library_versions(),
+                    "validation": {"atol": atol, "checks": checks_to_json(checks)} if run_validation else None,
                 },
-                "tokenizer": TOKENIZER_FILE,
-                "versions": library_versions(),
-                "validation": {"atol": atol, "checks": checks_to_json(checks)} if run_validation else None,
-            },
-        )
-        steps.update()
-        steps.close()
+            )
+            steps.update()
     return ExportResult(path=out, manifest=manifest, checks=checks)
