@@ -43,8 +43,13 @@ def main() -> None:
 @main.command()
 @click.option("-m", "--model", "source", required=True, help="Local HF checkpoint folder (checked first) or hub id.")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--head", type=click.Choice(["last", "all"]), default="last", show_default=True,
-              help="last: next-token log-probs (generation); all: every position (scoring, perplexity).")
+@click.option(
+    "--head",
+    type=click.Choice(["last", "all"]),
+    default="last",
+    show_default=True,
+    help="last: next-token log-probs (generation); all: every position (scoring, perplexity).",
+)
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18..23).")
 @click.option("--validate/--no-validate", default=True, show_default=True, help="Compare with PyTorch after export.")
 @click.option("--atol", type=float, default=1e-4, show_default=True, help="Validation tolerance (max abs diff).")
@@ -58,8 +63,15 @@ def export(source, out, head, opset, validate, atol, force, revision, tokenizer,
     from gpt2edge.export import export_model
 
     result = export_model(
-        source, out, head=head, opset=opset, run_validation=validate, atol=atol, force=force,
-        revision=revision, tokenizer=tokenizer,
+        source,
+        out,
+        head=head,
+        opset=opset,
+        run_validation=validate,
+        atol=atol,
+        force=force,
+        revision=revision,
+        tokenizer=tokenizer,
     )
     if as_json:
         print_json(result.manifest)
@@ -70,10 +82,17 @@ def export(source, out, head, opset, validate, atol, force, revision, tokenizer,
 
 @main.command("random-checkpoint")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--size", type=click.Choice(["tiny", "mini", "small"]), default="tiny", show_default=True,
-              help="tiny/mini for tests and demos; small is the real 124M GPT-2 shape.")
+@click.option(
+    "--size",
+    type=click.Choice(["tiny", "mini", "small"]),
+    default="tiny",
+    show_default=True,
+    help="tiny/mini for tests and demos; small is the real 124M GPT-2 shape.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--tokenizer", default=None, help="Folder with the tokenizer (vocab.json + merges.txt or tokenizer.json).")
+@click.option(
+    "--tokenizer", default=None, help="Folder with the tokenizer (vocab.json + merges.txt or tokenizer.json)."
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @friendly_errors
 def random_checkpoint(out, size, seed, tokenizer, force) -> None:

@@ -59,9 +59,7 @@ class Dims:
             )
         act = config.activation_function
         if act not in _ACTIVATIONS:
-            raise CheckpointError(
-                f"Activation '{act}' is not supported; supported: {', '.join(sorted(_ACTIVATIONS))}."
-            )
+            raise CheckpointError(f"Activation '{act}' is not supported; supported: {', '.join(sorted(_ACTIVATIONS))}.")
         if config.n_embd % config.n_head:
             raise CheckpointError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}.")
         return cls(
