@@ -65,7 +65,8 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise ModelFolderError(f"{path} is not a gpt2edge manifest; re-export the model with `gpt2edge export`.")
     if manifest.get("format_version", 0) > FORMAT_VERSION:
         raise ModelFolderError(
-            f"{folder} was written by a newer gpt2edge (manifest format {manifest['format_version']}); upgrade gpt2edge."
+            f"{folder} was written by a newer gpt2edge (manifest format {manifest['format_version']}); "
+            "upgrade gpt2edge."
         )
     return manifest
 
