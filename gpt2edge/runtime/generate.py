@@ -1,0 +1,161 @@
+"""The generate loop in gpt-fast's shape: prefill, decode_one_token, decode_n_tokens, generate.
+
+Batches are left-padded: every row ends at the same column, so one (B, 1) step serves all rows; position ids
+count each row's own tokens, and a row that has finished keeps being fed a pad token (its output is ignored).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.sampling import SamplingParams, next_tokens
+from gpt2edge.runtime.tokenizer import TextTokenizer
+
+
+@dataclass
+class Step:
+    """What one decode step produced: the token of every row, and which rows are finished after it."""
+
+    index: int
+    tokens: np.ndarray  # (B,)
+    active: np.ndarray  # (B,) bool: the row took this token (it was not already finished)
+    finished: list[str | None]
+
+
+@dataclass
+class GenerationState:
+    prompts: list[list[int]]
+    params: SamplingParams
+    generated: list[list[int]] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    prefill_ms: float = 0.0
+    decode_ms: list[float] = field(default_factory=list)  # one entry per forward after the prefill
+    sampler_ms: list[float] = field(default_factory=list)  # one entry per sampled token step
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """(B, S) ids and a (B, total) mask whose first S columns mark real prompt tokens (pads on the left)."""
+    S = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), S), pad_id, dtype=np.int64)
+    mask = np.zeros((len(prompts), total), dtype=np.int64)
+    for b, p in enumerate(prompts):
+        ids[b, S - len(p) :] = p
+        mask[b, S - len(p) : S] = 1
+    return ids, mask
+
+
+def prefill(lm: OrtLM, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Run the whole (left-padded) prompt with an empty past; returns next-token log-probs (B, V)."""
+    positions = np.clip(np.cumsum(mask, 1) - 1, 0, None)  # pads get 0, each row counts its own tokens
+    return lm.forward(ids, mask, positions)
+
+
+def decode_one_token(lm: OrtLM, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """One (B, 1) step on top of the cache; returns next-token log-probs (B, V)."""
+    return lm.forward(tokens[:, None], mask, positions[:, None])
+
+
+def _check_finite(logprobs: np.ndarray, step: int) -> None:
+    if np.isnan(logprobs).any():
+        raise GenerationError(
+            f"The model produced NaN log-probabilities at decode step {step}; generation stopped rather than "
+            "emit garbage (an fp16 overflow or a corrupted model?). Try the fp32 export."
+        )
+
+
+def _stop_hit(tokenizer: TextTokenizer, ids: list[int], stop: Sequence[str]) -> bool:
+    # a stop string is at most len(s) characters; no token decodes to less than nothing, so the last
+    # len(s) + 4 tokens (slack for multi-byte characters) are enough to see it
+    tail = tokenizer.decode(ids[-(max(map(len, stop)) + 4) :])
+    return any(s in tail for s in stop)
+
+
+def decode_n_tokens(
+    lm: OrtLM,
+    state: GenerationState,
+    logprobs: np.ndarray,
+    mask: np.ndarray,
+    tokenizer: TextTokenizer,
+    pad_id: int,
+    rng: np.random.Generator,
+) -> Iterator[Step]:
+    """Sample, record, feed back, until every row has finished; yields after each sampled token."""
+    params = state.params
+    S = lm.past_len
+    positions = mask[:, :S].sum(1)  # next position of each row
+    seen = [np.asarray(p, dtype=np.int64) for p in state.prompts]
+    eos = set(params.eos_token_id)
+    for step in range(params.max_new_tokens):
+        _check_finite(logprobs, step)
+        t0 = time.perf_counter()
+        tokens = next_tokens(logprobs, params, seen, step, rng)
+        state.sampler_ms.append((time.perf_counter() - t0) * 1e3)
+        active = np.array([r is None for r in state.finish_reasons])
+        for b in np.flatnonzero(active):
+            tok = int(tokens[b])
+            state.generated[b].append(tok)
+            if params.repetition_penalty != 1.0:
+                seen[b] = np.append(seen[b], tok)
+            if tok in eos:
+                state.finish_reasons[b] = "eos"
+            elif params.stop and _stop_hit(tokenizer, state.generated[b], params.stop):
+                state.finish_reasons[b] = "stop"
+            elif len(state.generated[b]) >= params.max_new_tokens:
+                state.finish_reasons[b] = "length"
+        yield Step(step, tokens, active, list(state.finish_reasons))
+        if all(r is not None for r in state.finish_reasons):
+            return
+        feed = np.where(active, tokens, pad_id)
+        mask[:, S + step] = 1
+        t0 = time.perf_counter()
+        logprobs = decode_one_token(lm, feed, mask[:, : S + step + 1], positions)
+        state.decode_ms.append((time.perf_counter() - t0) * 1e3)
+        positions = positions + 1
+
+
+def generate(
+    lm: OrtLM,
+    tokenizer: TextTokenizer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    pad_id: int,
+    callback: Callable[[Step], None] | None = None,
+) -> GenerationState:
+    """Generate for a batch of tokenized prompts. Ctrl-C stops cleanly: rows keep what they have."""
+    state = GenerationState(prompts=prompts, params=params)
+    for step in iter_generate(lm, tokenizer, state, pad_id):
+        if callback is not None:
+            callback(step)
+    return state
+
+
+def iter_generate(lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, pad_id: int) -> Iterator[Step]:
+    """generate() as an iterator over steps (streaming consumers use this)."""
+    params, prompts = state.params, state.prompts
+    B = len(prompts)
+    S = max(len(p) for p in prompts)
+    total = S + params.max_new_tokens
+    if total > lm.n_positions:
+        raise GenerationError(
+            f"The prompt ({S} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the model's "
+            f"{lm.n_positions} positions; shorten the prompt, lower --max-new-tokens, or pass --truncate."
+        )
+    state.generated = [[] for _ in range(B)]
+    state.finish_reasons = [None] * B
+    rng = np.random.default_rng(params.seed)
+    ids, mask = left_pad(prompts, pad_id, total)
+    # the last sampled token is never fed back, so the cache needs total - 1 positions
+    lm.start(B, total - 1)
+    try:
+        t0 = time.perf_counter()
+        logprobs = prefill(lm, ids, mask[:, :S])
+        state.prefill_ms = (time.perf_counter() - t0) * 1e3
+        yield from decode_n_tokens(lm, state, logprobs, mask, tokenizer, pad_id, rng)
+    except KeyboardInterrupt:
+        state.finish_reasons = [r or "interrupted" for r in state.finish_reasons]

@@ -1,0 +1,83 @@
+"""One forward step of an exported graph, with the KV cache bound in place (or, for comparison, without)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from gpt2edge.runtime.kv_cache import KVCache
+from gpt2edge.runtime.model_folder import ModelFolder
+from gpt2edge.runtime.session import ORT_DEVICE, create_session
+
+
+class OrtLM:
+    """forward(ids, mask, positions) -> next-token log-probs (B, V) as a host array; the cache lives inside."""
+
+    def __init__(
+        self, folder: ModelFolder, device: str = "cpu", threads: int | None = None, io_binding: bool = True
+    ) -> None:
+        self.folder = folder
+        self.device = device
+        self.io_binding = io_binding
+        self.session = create_session(folder.graph_path, device=device, threads=threads)
+        d = folder.dims
+        self.n_layer, self.n_head, self.head_dim = d["n_layer"], d["n_head"], d["head_dim"]
+        self.vocab_size, self.n_positions = d["vocab_size"], d["n_positions"]
+        names = [i.name for i in self.session.get_inputs()]
+        self.past_names = names[3:]
+        self.present_names = [o.name for o in self.session.get_outputs()][1:]
+        self.kv_dtype = folder.kv_dtype
+        self.cache = KVCache(self.n_layer, self.n_head, self.head_dim, self.kv_dtype, ORT_DEVICE[device])
+        self.binding = self.session.io_binding() if io_binding else None
+        self.past_len = 0
+        self._presents: list[np.ndarray] = []  # only without IO binding
+        self._logprobs = None  # pre-bound output buffer (head "last")
+
+    def start(self, batch: int, length: int) -> None:
+        """Prepare for a generation of `batch` rows and at most `length` positions: one allocation."""
+        self.past_len = 0
+        if self.io_binding:
+            self.cache.reserve(batch, length)
+            if self.folder.head == "last":
+                shape = (batch, self.vocab_size)
+                if self.device == "cpu":
+                    self._logprobs = np.empty(shape, dtype=np.float32)
+                else:
+                    self._logprobs = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, "cuda", 0)
+        else:
+            empty = np.zeros((batch, self.n_head, 0, self.head_dim), dtype=self.kv_dtype)
+            self._presents = [empty] * len(self.past_names)
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """(B, S) ids, (B, past+S) mask, (B, S) positions -> (B, V) float32 log-probs of the next token."""
+        S = input_ids.shape[1]
+        if not self.io_binding:
+            feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+            feed.update(zip(self.past_names, self._presents))
+            out = self.session.run(None, feed)
+            self._presents = out[1:]
+            self.past_len += S
+            return out[0] if out[0].ndim == 2 else out[0][:, -1]
+
+        b = self.binding
+        for name, arr in (("input_ids", input_ids), ("attention_mask", attention_mask), ("position_ids", position_ids)):
+            b.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64))
+        self.cache.bind(b, self.past_names, self.present_names, self.past_len, S)
+        lp = self._logprobs
+        if lp is None:  # head "all": (B, S, V) varies with S, let ORT allocate it
+            b.bind_output("logprobs", ORT_DEVICE[self.device])
+        elif self.device == "cpu":
+            b.bind_output("logprobs", "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
+        else:
+            b.bind_ortvalue_output("logprobs", lp)
+        self.session.run_with_iobinding(b)
+        self.cache.swap()
+        self.past_len += S
+        if lp is None:
+            return b.get_outputs()[0].numpy()[:, -1]
+        # on CUDA only this (B, V) tensor crosses to the host each step; the cache stays on the device
+        return lp if self.device == "cpu" else lp.numpy()
+
+    def present_pointers(self) -> list[int]:
+        """Where ORT actually wrote the last step's presents (IO binding only)."""
+        return [o.data_ptr() for o in self.binding.get_outputs()[1:]]

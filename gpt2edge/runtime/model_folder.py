@@ -1,0 +1,71 @@
+"""An export folder as the runtime sees it: everything comes from manifest.json, nothing from file names."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpt2edge.errors import ModelFolderError
+from gpt2edge.manifest import read_manifest, verify_files
+
+_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+@dataclass
+class ModelFolder:
+    path: Path
+    manifest: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str | Path, verify: bool = True) -> ModelFolder:
+        """Read the manifest and (by default) check every file's sha256 before anything is loaded."""
+        path = Path(path)
+        manifest = read_manifest(path)
+        graph = manifest.get("graph")
+        if not isinstance(graph, dict) or "file" not in graph or "dims" not in manifest:
+            raise ModelFolderError(f"{path}/manifest.json has no graph description; re-export the model.")
+        if verify:
+            verify_files(path, manifest)
+        elif not (path / graph["file"]).is_file():
+            raise ModelFolderError(f"{path} is incomplete: {graph['file']} is missing.")
+        if graph.get("kv_dtype", "float32") not in _DTYPES:
+            raise ModelFolderError(f"{path}: unsupported KV cache dtype {graph.get('kv_dtype')!r}.")
+        return cls(path=path, manifest=manifest)
+
+    @property
+    def graph_path(self) -> Path:
+        return self.path / self.manifest["graph"]["file"]
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.path / self.manifest.get("tokenizer", "tokenizer.json")
+
+    @property
+    def dims(self) -> dict[str, Any]:
+        return self.manifest["dims"]
+
+    @property
+    def head(self) -> str:
+        return self.manifest["graph"].get("head", "last")
+
+    @property
+    def kv_dtype(self) -> type:
+        return _DTYPES[self.manifest["graph"].get("kv_dtype", "float32")]
+
+    @property
+    def precision(self) -> str:
+        return self.manifest["graph"].get("precision", "fp32")
+
+    def generation_defaults(self) -> dict[str, Any]:
+        """generation_config.json of the source checkpoint, or {} when it has none."""
+        p = self.path / "generation_config.json"
+        return json.loads(p.read_text()) if p.is_file() else {}
+
+    def model_bytes(self) -> int:
+        """Bytes of the graph files (the .onnx and its external data), as listed in the manifest."""
+        files = self.manifest["files"]
+        return sum(files[f]["size"] for f in self.manifest["graph"].get("files", [self.manifest["graph"]["file"]]))

@@ -1,0 +1,46 @@
+"""ONNX Runtime session creation: provider choice, threads, and clear errors when a device is missing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnxruntime as ort
+
+from gpt2edge.errors import DeviceError
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+# IO binding names the memory of each device this way
+ORT_DEVICE = {"cpu": "cpu", "cuda": "cuda"}
+
+
+def available_devices() -> list[str]:
+    have = set(ort.get_available_providers())
+    return [d for d, p in PROVIDERS.items() if p in have]
+
+
+def create_session(graph: Path, device: str = "cpu", threads: int | None = None) -> ort.InferenceSession:
+    """A session on `device` ('cpu' or 'cuda'); raises DeviceError rather than silently falling back."""
+    if device not in PROVIDERS:
+        raise DeviceError(f"Unknown device '{device}'; choose one of {', '.join(PROVIDERS)}.")
+    if threads is not None and threads < 1:
+        raise DeviceError(f"--threads must be >= 1, got {threads}.")
+    if PROVIDERS[device] not in ort.get_available_providers():
+        raise DeviceError(
+            f"Device '{device}' was requested but this onnxruntime ({ort.__version__}) has no "
+            f"{PROVIDERS[device]}; install the GPU build with `bash scripts/setup.sh --gpu` "
+            "(onnxruntime-gpu replaces onnxruntime), or use --device cpu."
+        )
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1  # one graph at a time: parallelism lives inside the matmuls
+    providers = [PROVIDERS[device]] if device == "cpu" else [PROVIDERS[device], PROVIDERS["cpu"]]
+    sess = ort.InferenceSession(str(graph), sess_options=opts, providers=providers)
+    if PROVIDERS[device] not in sess.get_providers():
+        # ORT falls back to CPU when CUDA libraries fail to load; say so instead of running slowly
+        raise DeviceError(
+            f"{PROVIDERS[device]} is installed but could not start (CUDA/cuDNN libraries missing?); "
+            "see onnxruntime's log above, or use --device cpu."
+        )
+    return sess
