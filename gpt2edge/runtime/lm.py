@@ -62,7 +62,7 @@ class OrtLM:
         b = self.binding
         for name, arr in (("input_ids", input_ids), ("attention_mask", attention_mask), ("position_ids", position_ids)):
             b.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64))
-        self.cache.bind(b, self.past_names, self.present_names, self.past_len, S)
+        # outputs come back in binding order: logprobs first, then the presents
         lp = self._logprobs
         if lp is None:  # head "all": (B, S, V) varies with S, let ORT allocate it
             b.bind_output("logprobs", ORT_DEVICE[self.device])
@@ -70,6 +70,7 @@ class OrtLM:
             b.bind_output("logprobs", "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
         else:
             b.bind_ortvalue_output("logprobs", lp)
+        self.cache.bind(b, self.past_names, self.present_names, self.past_len, S)
         self.session.run_with_iobinding(b)
         self.cache.swap()
         self.past_len += S
