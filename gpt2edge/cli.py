@@ -186,6 +186,90 @@ def generate(
     _print_timings(results[0].timings, sum(len(r.token_ids) for r in results))
 
 
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True, help="New export folder.")
+@click.option("--mode", required=True, help="fp16, int8 or int4.")
+@click.option("--block-size", type=int, default=None, help="Weights per scale along K [default: int8 128, int4 32].")
+@click.option(
+    "--accuracy-level",
+    type=int,
+    default=None,
+    help="MatMulNBits compute type: 0 float, 4 int8 activations [default: 4, fastest on CPU].",
+)
+@click.option("--head-bits", type=int, default=None, help="Bits of the tied embedding/LM head [default: 8].")
+@click.option("--keep-head-fp32", is_flag=True, help="Leave the embedding/LM head in fp32.")
+@click.option(
+    "--text",
+    "text_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Text file for the quality report [default: built-in English text].",
+)
+@click.option("--no-report", is_flag=True, help="Skip the quality report.")
+@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the new manifest (with the report) as JSON.")
+@friendly_errors
+def quantize(
+    model_dir, out, mode, block_size, accuracy_level, head_bits, keep_head_fp32, text_file, no_report, force, as_json
+) -> None:
+    """Write an fp16 / int8 / int4 variant of the export folder MODEL_DIR, with a quality report."""
+    from gpt2edge.quantize import make_recipe, quantize_model
+
+    recipe = make_recipe(mode, block_size, accuracy_level, head_bits, keep_head_fp32)
+    text = text_file.read_text() if text_file else None
+    manifest = quantize_model(model_dir, out, recipe, force=force, text=text, report=not no_report)
+    if as_json:
+        print_json(manifest)
+    else:
+        q = manifest["quantization"]
+        click.echo(
+            f"wrote {out}: {q['size_after'] / 1e6:.1f} MB ({q['ratio'] * 100:.1f} % of {q['size_before'] / 1e6:.1f} MB)"
+        )
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("other_dir", type=click.Path(path_type=Path), required=False)
+@click.option("-m", "--model", "source", default=None, help="Compare MODEL_DIR with this PyTorch source instead.")
+@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
+@click.option("--max-tokens", type=int, default=256, show_default=True, help="Tokens of the text to score.")
+@click.option("--max-kl", type=float, default=None, help="Fail if mean KL(ref || variant) exceeds this.")
+@click.option("--min-top1", type=float, default=None, help="Fail if top-1 agreement is below this (0..1).")
+@click.option("--max-logprob-diff", type=float, default=None, help="Fail if max |Δ logprob| exceeds this.")
+@click.option("--min-greedy-match", type=int, default=None, help="Fail if fewer greedy tokens match.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@friendly_errors
+def parity(
+    model_dir, other_dir, source, text_file, max_tokens, max_kl, min_top1, max_logprob_diff, min_greedy_match, as_json
+) -> None:
+    """Quality report of OTHER_DIR against MODEL_DIR (two export folders), or of MODEL_DIR against -m SOURCE."""
+    from gpt2edge.errors import ValidationError
+    from gpt2edge.quality import compare_folders, print_report, violations
+
+    if (other_dir is None) == (source is None):
+        raise click.UsageError("Give either a second export folder or -m SOURCE.")
+    if max_tokens < 2:
+        raise click.BadParameter("must be >= 2", param_hint="--max-tokens")
+    text = text_file.read_text() if text_file else None
+    if source is not None:
+        from gpt2edge.export.reference import compare_with_source
+
+        report = compare_with_source(model_dir, source, text=text, max_tokens=max_tokens)
+    else:
+        report = compare_folders(model_dir, other_dir, text=text, max_tokens=max_tokens)
+    failed = violations(
+        report, max_kl=max_kl, min_top1=min_top1, max_logprob_diff=max_logprob_diff, min_greedy_match=min_greedy_match
+    )
+    report["violations"] = failed
+    if as_json:
+        print_json(report)
+    else:
+        print_report(report, title=f"{report['variant']} vs {report['reference']}", file=sys.stdout)
+    if failed:
+        raise ValidationError("Parity thresholds exceeded: " + "; ".join(failed) + ".")
+
+
 def _print_timings(t: dict, n_tokens: int) -> None:
     click.echo(
         f"[{n_tokens} tokens | prefill {t['prefill_ms']:.1f} ms | decode {t['decode_ms_per_token']:.2f} ms/token | "

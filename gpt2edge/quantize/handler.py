@@ -1,0 +1,193 @@
+"""quantize_model: an fp32 export folder -> a new, atomically written export folder in fp16 / int8 / int4.
+
+The handler only checks the request, calls the pure rewrite (half.py, weight_only.py), copies the tokenizer
+and configs, measures the quality report against the parent, and writes the manifest.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+import gpt2edge
+from gpt2edge.errors import QuantizeError
+from gpt2edge.folder import atomic_output_dir, check_output_dir
+from gpt2edge.manifest import read_manifest, verify_files, write_manifest
+
+# bits of the widest tensor each precision stores; a variant can only be made from a wider parent
+WIDTH = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
+MODES = ("fp16", "int8", "int4")
+DEFAULT_BLOCK_SIZE = {"int8": 128, "int4": 32}
+# 4 = int8 activations in MatMulNBits: on AVX2 without VNNI it is ~40x faster than the float path (level 0)
+DEFAULT_ACCURACY_LEVEL = 4
+
+
+@dataclass
+class Recipe:
+    mode: str
+    block_size: int | None = None
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL
+    head_bits: int | None = None  # None: head/embedding stay fp32
+
+    @property
+    def head_block_size(self) -> int | None:
+        """An 8-bit head uses int8's block size (scales cost 4 bytes per block); a 4-bit head the main one."""
+        if self.head_bits is None:
+            return None
+        return DEFAULT_BLOCK_SIZE["int8"] if self.head_bits == 8 else self.block_size
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.mode}
+        if self.mode != "fp16":
+            out.update(
+                weight_bits=8 if self.mode == "int8" else 4,
+                block_size=self.block_size,
+                accuracy_level=self.accuracy_level,
+                head_bits=self.head_bits,
+                head_block_size=self.head_block_size,
+                position_table_bits=8,
+                symmetric=False,
+                op="com.microsoft.MatMulNBits",
+            )
+        else:
+            out.update(fp32_ops=["LayerNormalization", "Softmax", "LogSoftmax", "MLP GELU"], kv_dtype="float16")
+        return out
+
+
+def make_recipe(
+    mode: str,
+    block_size: int | None = None,
+    accuracy_level: int | None = None,
+    head_bits: int | None = None,
+    keep_head_fp32: bool = False,
+) -> Recipe:
+    """Validate the options of a mode and fill in its defaults."""
+    from gpt2edge.quantize.primitives import check_block_size
+
+    if mode not in MODES:
+        raise QuantizeError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")
+    if mode == "fp16":
+        if block_size or head_bits or keep_head_fp32:
+            raise QuantizeError("--block-size, --head-bits and --keep-head-fp32 apply to int8/int4, not fp16.")
+        return Recipe("fp16")
+    block_size = block_size or DEFAULT_BLOCK_SIZE[mode]
+    check_block_size(block_size)
+    if accuracy_level is None:
+        accuracy_level = DEFAULT_ACCURACY_LEVEL
+    if accuracy_level not in (0, 1, 2, 3, 4):
+        raise QuantizeError(f"--accuracy-level must be 0..4, got {accuracy_level}.")
+    if keep_head_fp32 and head_bits:
+        raise QuantizeError("Give either --keep-head-fp32 or --head-bits, not both.")
+    if head_bits not in (None, 4, 8):
+        raise QuantizeError(f"--head-bits must be 4 or 8, got {head_bits}.")
+    if mode == "int8" and head_bits == 4:
+        raise QuantizeError("--head-bits 4 is for int4; an int8 model keeps its head at 8 bits or fp32.")
+    return Recipe(mode, block_size, accuracy_level, None if keep_head_fp32 else (head_bits or 8))
+
+
+def quantize_model(
+    src: Path,
+    out: Path,
+    recipe: Recipe,
+    *,
+    force: bool = False,
+    text: str | None = None,
+    report: bool = True,
+    log=sys.stderr,
+) -> dict[str, Any]:
+    """Write the `recipe` variant of export folder `src` to `out`; returns the new manifest."""
+    import onnx
+
+    from gpt2edge.quality import compare_folders, print_report
+
+    src, out = Path(src), Path(out)
+    parent = read_manifest(src)
+    if src.resolve() == out.resolve():
+        raise QuantizeError("The output folder is the input folder; quantize writes a new folder (-o elsewhere).")
+    precision = parent["graph"].get("precision", "fp32")
+    if precision != "fp32":
+        hint = "it would not shrink it" if WIDTH[recipe.mode] >= WIDTH[precision] else "errors would compound"
+        raise QuantizeError(
+            f"{src} is already {precision}; quantizing it to {recipe.mode} is refused ({hint}). "
+            f"Quantize its fp32 parent ({parent.get('quantization', {}).get('parent', {}).get('path', '?')})."
+        )
+    if parent["graph"].get("head", "last") != "last":
+        raise QuantizeError(f"{src} is a --head all (scoring) export; quantize a generation export (--head last).")
+    check_output_dir(out, force)
+    verify_files(src, parent)
+
+    graph = parent["graph"]
+    with tqdm(
+        total=3 if report else 2, desc=f"quantize {recipe.mode}", unit="step", file=sys.stderr, leave=False
+    ) as bar:
+        model = onnx.load(str(src / graph["file"]))
+        if recipe.mode == "fp16":
+            from gpt2edge.quantize.half import to_fp16
+
+            variant = to_fp16(model)
+        else:
+            from gpt2edge.quantize.weight_only import quantize_weights
+
+            bits = 8 if recipe.mode == "int8" else 4
+            variant = quantize_weights(
+                model, bits, recipe.block_size, recipe.head_bits, recipe.head_block_size or 0, recipe.accuracy_level
+            )
+        del model
+        bar.update()
+        with atomic_output_dir(out, force=force) as tmp:
+            from gpt2edge.quantize.graph import save_model
+
+            files = save_model(variant, tmp / graph["file"])
+            del variant
+            for name in parent["files"]:
+                if name not in graph.get("files", [graph["file"]]):
+                    shutil.copy2(src / name, tmp / name)  # tokenizer and configs, unchanged
+            bar.update()
+            manifest = write_manifest(tmp, _variant_manifest(parent, src, recipe, files, tmp))
+            if report:
+                # measured on the finished folder, exactly as the runtime will load it
+                bar.set_postfix_str("quality report")
+                manifest["quality"] = compare_folders(src, tmp, text=text)
+                bar.update()
+                bar.clear()
+                print_report(manifest["quality"], title=f"{recipe.mode} vs fp32", file=log)
+                manifest = write_manifest(tmp, manifest)
+    return manifest
+
+
+def _variant_manifest(parent: dict, src: Path, recipe: Recipe, files: list[str], tmp: Path) -> dict[str, Any]:
+    """The parent's manifest with the graph's precision, files and the recipe updated."""
+    graph = dict(parent["graph"])
+    kv = "float16" if recipe.mode == "fp16" else graph.get("kv_dtype", "float32")
+    graph.update(precision=recipe.mode, kv_dtype=kv, files=files)
+    for io in ("inputs", "outputs"):
+        graph[io] = [
+            {**t, "dtype": kv} if t["name"].startswith(("past_key_values.", "present.")) else t for t in graph[io]
+        ]
+    parent_files = parent["graph"].get("files", [parent["graph"]["file"]])
+    before = sum(parent["files"][f]["size"] for f in parent_files)
+    after = sum((tmp / f).stat().st_size for f in files)
+    manifest = {k: v for k, v in parent.items() if k not in ("files", "validation", "format", "format_version")}
+    manifest.update(
+        gpt2edge_version=gpt2edge.__version__,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        graph=graph,
+        quantization={
+            "recipe": recipe.to_json(),
+            "parent": {
+                "path": str(src.resolve()),
+                "precision": parent["graph"].get("precision", "fp32"),
+                "sha256": {f: parent["files"][f]["sha256"] for f in parent_files},
+            },
+            "size_before": before,
+            "size_after": after,
+            "ratio": after / before,
+        },
+    )
+    return manifest

@@ -1,0 +1,184 @@
+"""Weight-only block quantization of an exported graph: every weight MatMul becomes a MatMulNBits.
+
+The tied embedding / LM head is quantized once: the head's Gemm becomes a MatMulNBits over the packed table,
+and the embedding Gather reads rows of that same packed table and dequantizes them in the graph (a Gather of a
+few rows costs nothing next to the head's full read). The file holds the table once, at the head's width.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from gpt2edge.errors import QuantizeError
+from gpt2edge.quantize.primitives import BlockQuantized, quantize_blockwise, unpack_codes
+
+MS_DOMAIN = "com.microsoft"
+
+
+def _matmulnbits(name: str, a: str, prefix: str, q: BlockQuantized, out: str, accuracy_level: int) -> list:
+    """The MatMulNBits node for y = a @ W and its initializers (packed, scales, zero points)."""
+    inits = [
+        numpy_helper.from_array(q.packed, f"{prefix}.q{q.bits}"),
+        numpy_helper.from_array(q.scales, f"{prefix}.scales"),
+    ]
+    inputs = [a, inits[0].name, inits[1].name]
+    if q.zero_points is not None:
+        inits.append(numpy_helper.from_array(q.zero_points, f"{prefix}.zero_points"))
+        inputs.append(inits[2].name)
+    attrs = dict(K=q.K, N=q.N, bits=q.bits, block_size=q.block_size)
+    if accuracy_level:
+        attrs["accuracy_level"] = accuracy_level
+    node = helper.make_node("MatMulNBits", inputs, [out], name=name, domain=MS_DOMAIN, **attrs)
+    return [node], inits
+
+
+def _const(name: str, value) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value), name)
+
+
+def _dequant_gather(node: onnx.NodeProto, prefix: str, q: BlockQuantized) -> tuple[list, list]:
+    """Replace Gather(table, ids) by a Gather of packed rows + in-graph dequantization: (..., C) float32."""
+    ids, out = node.input[1], node.output[0]
+    p = f"{prefix}.embed"
+    nodes = [helper.make_node("Gather", [f"{prefix}.q{q.bits}", ids], [f"{p}.codes"], axis=0)]  # (B, S, kb, blob)
+    inits = [_const(f"{p}.shape", [0, 0, q.k_blocks * q.block_size])]
+    codes = f"{p}.codes"
+    if q.bits == 4:
+        # two codes per byte, low nibble first: split, interleave on a new last axis, flatten it back
+        inits += [_const(f"{p}.lowmask", np.uint8(0x0F)), _const(f"{p}.four", np.uint8(4)), _const(f"{p}.last", [-1])]
+        inits += [_const(f"{p}.unpacked_shape", [0, 0, q.k_blocks, q.block_size])]
+        nodes += [
+            helper.make_node("BitwiseAnd", [codes, f"{p}.lowmask"], [f"{p}.lo"]),
+            helper.make_node("BitShift", [codes, f"{p}.four"], [f"{p}.hi"], direction="RIGHT"),
+            helper.make_node("Unsqueeze", [f"{p}.lo", f"{p}.last"], [f"{p}.lo1"]),
+            helper.make_node("Unsqueeze", [f"{p}.hi", f"{p}.last"], [f"{p}.hi1"]),
+            helper.make_node("Concat", [f"{p}.lo1", f"{p}.hi1"], [f"{p}.pairs"], axis=-1),
+            helper.make_node("Reshape", [f"{p}.pairs", f"{p}.unpacked_shape"], [f"{p}.codes4"]),
+        ]
+        codes = f"{p}.codes4"
+    nodes.append(helper.make_node("Cast", [codes], [f"{p}.codes_f"], to=onnx.TensorProto.FLOAT))
+    scale_rows = f"{prefix}.scales"
+    nodes.append(helper.make_node("Gather", [scale_rows, ids], [f"{p}.scale"], axis=0))  # (B, S, kb)
+    inits.append(_const(f"{p}.last_axis", [-1]))
+    nodes.append(helper.make_node("Unsqueeze", [f"{p}.scale", f"{p}.last_axis"], [f"{p}.scale1"]))
+    if q.zero_points is not None:
+        zp_rows = f"{prefix}.zero_points"
+        if q.bits == 4:  # packed two per byte: keep an unpacked copy for the rows (rows x k_blocks bytes)
+            zp_rows = f"{p}.zero_points_u8"
+            zp = unpack_codes(q.zero_points, q.bits)[:, : q.k_blocks]
+            inits.append(numpy_helper.from_array(np.ascontiguousarray(zp), zp_rows))
+        nodes += [
+            helper.make_node("Gather", [zp_rows, ids], [f"{p}.zp"], axis=0),
+            helper.make_node("Cast", [f"{p}.zp"], [f"{p}.zp_f"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("Unsqueeze", [f"{p}.zp_f", f"{p}.last_axis"], [f"{p}.zp1"]),
+        ]
+        zp_name = f"{p}.zp1"
+    else:
+        inits.append(_const(f"{p}.zp_sym", np.float32(1 << (q.bits - 1))))
+        zp_name = f"{p}.zp_sym"
+    nodes += [
+        helper.make_node("Sub", [f"{p}.codes_f", zp_name], [f"{p}.centered"]),
+        helper.make_node("Mul", [f"{p}.centered", f"{p}.scale1"], [f"{p}.blocks"]),  # (B, S, kb, bs)
+        helper.make_node("Reshape", [f"{p}.blocks", f"{p}.shape"], [out]),  # (B, S, C)
+    ]
+    if q.k_blocks * q.block_size != q.K:
+        raise QuantizeError(f"n_embd={q.K} must be a multiple of --block-size {q.block_size} for the embedding.")
+    return nodes, inits
+
+
+def _axis(node: onnx.NodeProto) -> int:
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+
+
+def _is_float_table(init: onnx.TensorProto | None, readers: set[str] | None) -> bool:
+    """A 2-D float initializer that only Gathers read (a table the fp32 head also reads stays fp32)."""
+    return (
+        init is not None and len(init.dims) == 2 and init.data_type == onnx.TensorProto.FLOAT and readers == {"Gather"}
+    )
+
+
+def embedding_block_size(width: int, preferred: int) -> int:
+    """The largest power of two <= preferred that divides the embedding width (rows are dequantized whole)."""
+    block = min(preferred, width & -width)
+    if block < 16:
+        raise QuantizeError(f"n_embd={width} has no power-of-two block size >= 16 for the embedding tables.")
+    return block
+
+
+def quantize_weights(
+    model: onnx.ModelProto,
+    bits: int,
+    block_size: int,
+    head_bits: int | None,
+    head_block_size: int,
+    accuracy_level: int = 0,
+    symmetric: bool = False,
+) -> onnx.ModelProto:
+    """Rewrite `model` (an fp32 gpt2edge export) and return the new model (the input is not modified):
+    - every MatMul with a 2-D weight -> MatMulNBits at `bits` / `block_size`;
+    - the head Gemm (tied embedding) -> MatMulNBits at `head_bits` / `head_block_size` (None: stays fp32),
+      and the token-embedding Gather reads the same packed table;
+    - other embedding tables (positions) -> 8-bit rows dequantized in the graph."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+
+    new_nodes, new_inits, dropped = [], [], set()
+    tables: dict[str, BlockQuantized] = {}  # embedding tables quantized once, read by head and Gather
+    for n in g.node:
+        if n.op_type == "MatMul" and n.input[1] in inits and len(inits[n.input[1]].dims) == 2:
+            w = numpy_helper.to_array(inits[n.input[1]])  # (K, N)
+            q = quantize_blockwise(w, bits, block_size, symmetric)
+        elif n.op_type == "Gemm" and n.input[1] in inits and head_bits is not None:
+            attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+            if attrs.get("transB") != 1 or attrs.get("transA", 0) or len(n.input) > 2:
+                raise QuantizeError(f"Unexpected head Gemm {n.name} {attrs}; re-export with this gpt2edge.")
+            table = numpy_helper.to_array(inits[n.input[1]])  # (V, C): the head is x @ table.T
+            block = embedding_block_size(table.shape[1], head_block_size)
+            q = tables.setdefault(n.input[1], quantize_blockwise(table.T, head_bits, block, symmetric))
+        else:
+            new_nodes.append(n)
+            continue
+        nodes, qi = _matmulnbits(n.name, n.input[0], n.input[1], q, n.output[0], accuracy_level)
+        new_nodes += nodes
+        new_inits += qi
+        dropped.add(n.input[1])
+
+    # embedding Gathers: the head's table is already packed; float tables read only by Gathers get 8-bit rows
+    readers: dict[str, set[str]] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, set()).add(n.op_type)
+    final_nodes = []
+    for n in new_nodes:
+        table = n.input[0] if n.op_type == "Gather" and _axis(n) == 0 else None
+        if table is not None and table not in tables and _is_float_table(inits.get(table), readers.get(table)):
+            w = numpy_helper.to_array(inits[table])  # (rows, C)
+            q = tables[table] = quantize_blockwise(w.T, 8, embedding_block_size(w.shape[1], 128), symmetric)
+            new_inits += [
+                numpy_helper.from_array(q.packed, f"{table}.q8"),
+                numpy_helper.from_array(q.scales, f"{table}.scales"),
+            ]
+            if q.zero_points is not None:
+                new_inits.append(numpy_helper.from_array(q.zero_points, f"{table}.zero_points"))
+            dropped.add(table)
+        if table in tables:
+            nodes, qi = _dequant_gather(n, table, tables[table])
+            final_nodes += nodes
+            new_inits += qi
+        else:
+            final_nodes.append(n)
+
+    leftover = [n.name for n in final_nodes if any(i in dropped for i in n.input)]
+    if leftover:
+        raise QuantizeError(f"Weights are still read by unquantized nodes {leftover[:3]}; re-export the model.")
+    kept = [i for i in g.initializer if i.name not in dropped]
+    del g.initializer[:]
+    g.initializer.extend(kept + new_inits)
+    del g.node[:]
+    g.node.extend(final_nodes)
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return model
