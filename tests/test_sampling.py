@@ -43,7 +43,8 @@ def our_probs(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     """Scatter the candidate set back into a dense (B, V) distribution."""
     ids, probs = filter_candidates(logits, top_k, top_p)
     dense = np.zeros_like(logits)
-    np.put_along_axis(dense, ids, probs, -1)
+    for b in range(len(ids)):
+        np.add.at(dense[b], ids[b], probs[b])  # add, not put: padding entries carry probability 0
     return dense
 
 

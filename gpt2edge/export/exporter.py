@@ -18,6 +18,7 @@ from gpt2edge.export.onnx_graph import DEFAULT_OPSET, SUPPORTED_OPSETS, export_g
 from gpt2edge.export.validate import DEFAULT_ATOL, Check, checks_to_json, print_checks, raise_on_failure, validate
 from gpt2edge.folder import atomic_output_dir, check_output_dir
 from gpt2edge.manifest import write_manifest
+from gpt2edge.onnx_stats import decode_weight_bytes
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -116,6 +117,7 @@ def export_model(
                         "precision": "fp32",
                         "kv_dtype": "float32",
                         "tied_lm_head": model.lm_head is None,
+                        "decode_weight_bytes": decode_weight_bytes(tmp / MODEL_FILE),
                         **io_spec(model),
                     },
                     "tokenizer": TOKENIZER_FILE,

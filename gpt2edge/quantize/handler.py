@@ -19,6 +19,7 @@ import gpt2edge
 from gpt2edge.errors import QuantizeError
 from gpt2edge.folder import atomic_output_dir, check_output_dir
 from gpt2edge.manifest import read_manifest, verify_files, write_manifest
+from gpt2edge.onnx_stats import decode_weight_bytes
 
 # bits of the widest tensor each precision stores; a variant can only be made from a wider parent
 WIDTH = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
@@ -165,7 +166,9 @@ def _variant_manifest(parent: dict, src: Path, recipe: Recipe, files: list[str],
     """The parent's manifest with the graph's precision, files and the recipe updated."""
     graph = dict(parent["graph"])
     kv = "float16" if recipe.mode == "fp16" else graph.get("kv_dtype", "float32")
-    graph.update(precision=recipe.mode, kv_dtype=kv, files=files)
+    graph.update(
+        precision=recipe.mode, kv_dtype=kv, files=files, decode_weight_bytes=decode_weight_bytes(tmp / files[0])
+    )
     for io in ("inputs", "outputs"):
         graph[io] = [
             {**t, "dtype": kv} if t["name"].startswith(("past_key_values.", "present.")) else t for t in graph[io]

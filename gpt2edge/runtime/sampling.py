@@ -18,7 +18,8 @@ import numpy as np
 from gpt2edge.errors import GenerationError
 
 NEG_INF = np.float32(-np.inf)
-_TOP_P_CANDIDATES = 256  # first guess at how many tokens hold top_p of the mass; doubled until they do
+# score margins below the best token tried in turn when collecting candidates (then: the whole vocabulary)
+_POOL_MARGINS = (12.0, 24.0, 48.0)
 
 
 @dataclass(frozen=True)
@@ -83,34 +84,40 @@ def suppress_tokens(scores: np.ndarray, token_ids: Sequence[int]) -> np.ndarray:
     return scores
 
 
-def top_k_candidates(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k best of each row, ties with the k-th kept like transformers: returns (ids, scores), unsorted.
-
-    Rows are padded with -inf scores where ties make one row longer than another.
-    """
-    V = scores.shape[-1]
-    if k <= 0 or k >= V:
-        ids = np.broadcast_to(np.arange(V), scores.shape)
-        return ids, scores
-    part = np.argpartition(scores, V - k, axis=-1)[:, V - k :]  # (B, k) best, unordered
-    kth = np.take_along_axis(scores, part, -1).min(-1, keepdims=True)  # (B, 1)
-    n_keep = (scores >= kth).sum(-1)  # ties can add a few
-    if (n_keep == k).all():
-        return part, np.take_along_axis(scores, part, -1)
-    width = int(n_keep.max())
-    ids = np.zeros((scores.shape[0], width), dtype=np.int64)
-    out = np.full((scores.shape[0], width), NEG_INF, dtype=scores.dtype)
-    for b in range(scores.shape[0]):
-        keep = np.flatnonzero(scores[b] >= kth[b])
-        ids[b, : len(keep)] = keep
-        out[b, : len(keep)] = scores[b, keep]
-    return ids, out
-
-
 def softmax(scores: np.ndarray) -> np.ndarray:
     m = scores.max(-1, keepdims=True)
     e = np.exp(scores - m)
     return e / e.sum(-1, keepdims=True)
+
+
+def logsumexp(scores: np.ndarray) -> float:
+    m = scores.max()
+    return float(m + np.log(np.exp(scores - m).sum()))
+
+
+def _pool_above(row: np.ndarray, enough) -> np.ndarray:
+    """Ids of the tokens within a margin of the best one, widening the margin until `enough(pool)` holds.
+
+    Cheap (one compare over the vocabulary) and exact: the callers only need a superset of their answer.
+    """
+    best = row.max()
+    for margin in _POOL_MARGINS:
+        pool = np.flatnonzero(row >= best - margin)
+        if enough(pool):
+            return pool
+    return np.arange(row.size)
+
+
+def top_k_ids(row: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k best scores of one row; ties with the k-th are kept, like transformers' TopK."""
+    if k <= 0 or k >= row.size:
+        return np.arange(row.size)
+    pool = _pool_above(row, lambda p: len(p) >= k)
+    vals = row[pool]
+    if len(pool) > k:
+        kth = np.partition(vals, len(vals) - k)[len(vals) - k]
+        pool = pool[vals >= kth]
+    return pool
 
 
 def top_p_keep(sorted_probs: np.ndarray, top_p: float) -> np.ndarray:
@@ -119,52 +126,56 @@ def top_p_keep(sorted_probs: np.ndarray, top_p: float) -> np.ndarray:
     transformers removes a token when the mass of all tokens ranked above it is already >= top_p; the best
     token is always kept.
     """
-    mass_above = np.cumsum(sorted_probs, -1) - sorted_probs
-    keep = mass_above < np.float32(top_p)
-    keep[..., 0] = True
+    mass_above = np.cumsum(sorted_probs, dtype=np.float64) - sorted_probs
+    keep = mass_above < top_p
+    keep[0] = True
     return keep
 
 
-def logsumexp(scores: np.ndarray) -> np.ndarray:
-    m = scores.max(-1, keepdims=True)
-    return m + np.log(np.exp(scores - m).sum(-1, keepdims=True))
+def row_candidates(row: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Temperature, top-k, top-p on one row of scores -> (ids, renormalised probs) of the kept tokens.
 
-
-def filter_candidates(scores: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k then top-p over (B, V) scores; returns (ids, probs) of the kept tokens, probs renormalised.
-
-    The full vocabulary is never sorted: top-k partitions first; top-p alone partitions a few hundred
-    candidates and widens only if they hold less than top_p of the mass.
+    Temperature (> 0) is monotonic, so the top-k set is chosen on the raw scores and only the candidates are
+    scaled. The full vocabulary is never sorted: only candidates are.
     """
-    V = scores.shape[-1]
-    ids, cand = top_k_candidates(scores, top_k)
-    if top_p >= 1.0:
-        return ids, softmax(cand)
+    V = row.size
     if 0 < top_k < V:
-        # top-p measures mass over the distribution top-k left (transformers applies them in this order)
-        pool_ids, pool_scores, total = ids, cand, logsumexp(cand)
+        ids = top_k_ids(row, top_k)
+        scaled = row[ids] / np.float32(temperature)
+        log_z = logsumexp(scaled)  # top-p mass is measured over what top-k left, as transformers does
     else:
-        total = logsumexp(scores)  # (B, 1)
-        n = min(_TOP_P_CANDIDATES, V)
-        while True:
-            pool_ids, pool_scores = top_k_candidates(scores, n)
-            if n >= V or (np.exp(pool_scores - total).sum(-1) >= top_p).all():
-                break
-            n = min(4 * n, V)
-    pool_probs = np.exp(pool_scores - total)
-    order = np.argsort(-pool_probs, axis=-1, kind="stable")  # (B, n) with n << V
-    keep = top_p_keep(np.take_along_axis(pool_probs, order, -1), top_p)
-    ids = np.take_along_axis(pool_ids, order, -1)
-    cand = np.where(keep, np.take_along_axis(pool_scores, order, -1), NEG_INF)
-    return ids, softmax(cand)
+        full = row / np.float32(temperature)
+        log_z = logsumexp(full)
+        if top_p >= 1.0:
+            return np.arange(V), np.exp(full - log_z)
+        # a pool holding top_p of the mass contains the nucleus
+        ids = _pool_above(full, lambda p: np.exp(full[p] - log_z).sum() >= top_p)
+        scaled = full[ids]
+    if top_p < 1.0:
+        order = np.argsort(-scaled, kind="stable")
+        ids, scaled = ids[order], scaled[order]
+        keep = top_p_keep(np.exp(scaled.astype(np.float64) - log_z), top_p)
+        ids, scaled = ids[keep], scaled[keep]
+    probs = np.exp(scaled - scaled.max())
+    return ids, probs / probs.sum()
 
 
-def sample_from(ids: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """One draw per row by inverse CDF over the candidate set: (B, n) ids/probs -> (B,) token ids."""
-    cdf = np.cumsum(probs, -1)
-    u = rng.random(probs.shape[0]) * cdf[:, -1]
-    pick = (cdf <= u[:, None]).sum(-1).clip(max=probs.shape[-1] - 1)
-    return ids[np.arange(len(ids)), pick]
+def filter_candidates(scores: np.ndarray, top_k: int, top_p: float, temperature: float = 1.0):
+    """row_candidates over a (B, V) batch, padded into (B, n) ids and probs (padding has probability 0)."""
+    rows = [row_candidates(r, temperature, top_k, top_p) for r in scores]
+    n = max(len(ids) for ids, _ in rows)
+    ids = np.zeros((len(rows), n), dtype=np.int64)
+    probs = np.zeros((len(rows), n), dtype=np.float32)
+    for b, (i, p) in enumerate(rows):
+        ids[b, : len(i)] = i
+        probs[b, : len(p)] = p
+    return ids, probs
+
+
+def sample_index(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw by inverse CDF: the first index whose cumulative probability exceeds a uniform number."""
+    cdf = np.cumsum(probs)
+    return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(probs) - 1)
 
 
 def next_tokens(
@@ -180,6 +191,8 @@ def next_tokens(
         scores = suppress_tokens(scores, params.eos_token_id)
     if params.greedy:
         return scores.argmax(-1)
-    scores = apply_temperature(scores, params.temperature)
-    ids, probs = filter_candidates(scores, params.top_k, params.top_p)
-    return sample_from(ids, probs, rng)
+    out = np.empty(len(scores), dtype=np.int64)
+    for b, row in enumerate(scores):
+        ids, probs = row_candidates(row, params.temperature, params.top_k, params.top_p)
+        out[b] = ids[sample_index(probs, rng)]
+    return out
