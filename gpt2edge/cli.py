@@ -270,6 +270,59 @@ def parity(
         raise ValidationError("Parity thresholds exceeded: " + "; ".join(failed) + ".")
 
 
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--prompt-len", type=int, default=128, show_default=True)
+@click.option("--new-tokens", type=int, default=128, show_default=True)
+@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--threads", type=int, default=None, help="Intra-op threads [default: ONNX Runtime's choice].")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--repeat", type=int, default=5, show_default=True, help="Timed runs after one warm-up.")
+@click.option("--sweep", is_flag=True, help="Also measure decode ms/token at contexts 32 ... n_positions.")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="With --sweep: write a PNG of ms/token against context (plot extra).",
+)
+@click.option("--vs-torch", is_flag=True, help="Also run the PyTorch source on the same workload.")
+@click.option("-m", "--model", "source", default=None, help="PyTorch source for --vs-torch [default: manifest's].")
+@click.option("--json", "as_json", is_flag=True, help="Print the record as JSON on stdout.")
+@friendly_errors
+def bench(
+    model_dir, prompt_len, new_tokens, batch, threads, device, repeat, sweep, plot, vs_torch, source, as_json
+) -> None:
+    """Prefill / decode latency of MODEL_DIR, its bandwidth and FLOP floors, measured in one run."""
+    from gpt2edge.bench.bench import BenchConfig, bench_prompts, bench_rows, plot_sweep, run_bench, run_sweep
+
+    cfg = BenchConfig(prompt_len, new_tokens, batch, threads, device, repeat)
+    if plot is not None and not sweep:
+        raise click.UsageError("--plot needs --sweep.")
+    record = run_bench(model_dir, cfg)
+    if vs_torch:
+        from gpt2edge.bench.torch_baseline import torch_bench
+        from gpt2edge.manifest import read_manifest
+
+        recorded = read_manifest(model_dir)["source"]
+        prompts = bench_prompts(cfg, record["vocab_size"])
+        t = torch_bench(source or recorded.get("path") or recorded["model"], prompts, new_tokens, repeat, threads)
+        t["prefill_speedup"] = t["prefill_ms"] / record["prefill_ms"]
+        t["decode_speedup"] = t["decode_ms_per_token"] / record["decode_ms_per_token"]
+        record["torch"] = t
+    if sweep:
+        record["sweep"] = run_sweep(model_dir, cfg)
+        if plot is not None:
+            plot_sweep(record["sweep"], plot, f"{Path(model_dir).name} ({record['precision']}) decode")
+            record["plot"] = str(plot)
+    if as_json:
+        print_json(record)
+        return
+    for k, v in bench_rows(record):
+        click.echo(f"{k:<32} {v}")
+    for row in record.get("sweep", []):
+        click.echo(f"{'context ' + str(row['context']):<32} {row['decode_ms_per_token']:.2f} ms/token")
+
+
 def _print_timings(t: dict, n_tokens: int) -> None:
     click.echo(
         f"[{n_tokens} tokens | prefill {t['prefill_ms']:.1f} ms | decode {t['decode_ms_per_token']:.2f} ms/token | "

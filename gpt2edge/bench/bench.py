@@ -1,0 +1,211 @@
+"""`gpt2edge bench`: prefill and decode latency of an export folder next to this machine's floors.
+
+Workload: `batch` prompts of `prompt_len` seeded random token ids, `new_tokens` sampled tokens each
+(temperature 0.8, top-k 50, top-p 0.9; EOS ignored), one warm-up run then `repeat` timed runs. Decode
+figures pool every step of the timed runs: median, p90. Only numpy, onnxruntime and tokenizers are used.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from gpt2edge.bench.probe import matmul_gflops, read_bandwidth_gbs
+from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.generate import generate
+from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.model_folder import ModelFolder
+from gpt2edge.runtime.sampling import SamplingParams
+from gpt2edge.runtime.tokenizer import TextTokenizer
+
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9)
+
+
+@dataclass
+class BenchConfig:
+    prompt_len: int = 128
+    new_tokens: int = 128
+    batch: int = 1
+    threads: int | None = None
+    device: str = "cpu"
+    repeat: int = 5
+    seed: int = 0
+
+    def check(self, n_positions: int) -> None:
+        """Clear errors before anything is loaded or timed."""
+        if self.repeat < 1:
+            raise GenerationError(f"--repeat must be >= 1, got {self.repeat}.")
+        if self.batch < 1:
+            raise GenerationError(f"--batch must be >= 1, got {self.batch}.")
+        if self.prompt_len < 1 or self.new_tokens < 2:
+            raise GenerationError("--prompt-len must be >= 1 and --new-tokens >= 2.")
+        if self.prompt_len + self.new_tokens > n_positions:
+            raise GenerationError(
+                f"--prompt-len {self.prompt_len} + --new-tokens {self.new_tokens} exceeds the model's "
+                f"{n_positions} positions."
+            )
+
+
+class Workload:
+    """A loaded model plus seeded prompts; `run()` is one timed generation."""
+
+    def __init__(self, model_dir: Path, cfg: BenchConfig):
+        self.folder = ModelFolder.open(model_dir, verify=False)
+        self.cfg = cfg
+        cfg.check(self.folder.dims["n_positions"])
+        self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
+        self.lm = OrtLM(self.folder, device=cfg.device, threads=cfg.threads)
+
+    def run(self, prompt_len: int, new_tokens: int):
+        params = SamplingParams(max_new_tokens=new_tokens, seed=self.cfg.seed, **SAMPLING)
+        prompts = bench_prompts(self.cfg, self.folder.dims["vocab_size"], prompt_len)
+        return generate(self.lm, self.tokenizer, prompts, params, pad_id=0)
+
+
+def bench_prompts(cfg: BenchConfig, vocab_size: int, length: int | None = None) -> list[list[int]]:
+    """`batch` seeded random prompts of `length` (default: cfg.prompt_len) token ids."""
+    rng = np.random.default_rng(cfg.seed)
+    return rng.integers(0, vocab_size, (cfg.batch, length or cfg.prompt_len)).tolist()
+
+
+def kv_bytes_per_step(dims: dict[str, Any], batch: int, context: float, itemsize: int) -> float:
+    """Bytes of past keys and values a decode step at `context` positions reads (every layer, K and V)."""
+    return 2 * dims["n_layer"] * batch * dims["n_head"] * context * dims["head_dim"] * itemsize
+
+
+def prefill_flops(dims: dict[str, Any], batch: int, seq: int) -> float:
+    """Matmul FLOPs of a prefill: the blocks at every position, causal attention, the head at the last."""
+    C, L = dims["n_embd"], dims["n_layer"]
+    per_token = 2 * (3 * C * C + C * C + 2 * C * dims["n_inner"])  # qkv, proj, mlp in+out
+    attention = 2 * 2 * C * seq * (seq + 1) / 2  # QK^T and AV over the causal triangle
+    return batch * (L * (seq * per_token + attention) + 2 * C * dims["vocab_size"])
+
+
+def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, Any]:
+    """Measure the model and the machine in one run; returns the bench record (see `bench_rows`)."""
+    work = Workload(Path(model_dir), cfg)
+    dims = work.folder.dims
+    threads = cfg.threads or 2
+    bandwidth = read_bandwidth_gbs(threads)
+    gflops = matmul_gflops()
+
+    prefill, decode, sampler, tps = [], [], [], []
+    for i in tqdm(range(cfg.repeat + 1), desc="bench", unit="run", file=log, leave=False):
+        state = work.run(cfg.prompt_len, cfg.new_tokens)
+        if i == 0:
+            continue  # warm-up: first-run allocations and kernel selection
+        prefill.append(state.prefill_ms)
+        decode += state.decode_ms
+        sampler += state.sampler_ms
+        total_s = (sum(state.decode_ms) + sum(state.sampler_ms)) / 1e3
+        tps.append(cfg.batch * len(state.decode_ms) / total_s)
+
+    itemsize = np.dtype(work.folder.kv_dtype).itemsize
+    weights = work.folder.manifest["graph"].get("decode_weight_bytes") or work.folder.model_bytes()
+    mean_context = cfg.prompt_len + (cfg.new_tokens - 1) / 2
+    step_bytes = weights + kv_bytes_per_step(dims, cfg.batch, mean_context, itemsize)
+    decode_median = float(np.median(decode))
+    floor_ms = step_bytes / (bandwidth * 1e9) * 1e3
+    flops = prefill_flops(dims, cfg.batch, cfg.prompt_len)
+    prefill_floor = flops / (gflops * 1e9) * 1e3
+    return {
+        "model": str(model_dir),
+        "precision": work.folder.precision,
+        "vocab_size": dims["vocab_size"],
+        "config": asdict(cfg),
+        "prefill_ms": float(np.median(prefill)),
+        "prefill_floor_ms": prefill_floor,
+        "prefill_vs_floor": float(np.median(prefill)) / prefill_floor,
+        "decode_ms_per_token": decode_median,
+        "decode_ms_p90": float(np.percentile(decode, 90)),
+        "tokens_per_s": float(np.median(tps)),
+        "sampler_ms_per_token": float(np.mean(sampler)),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "model_bytes": work.folder.model_bytes(),
+        "weight_bytes_per_step": int(weights),
+        "bytes_read_per_step": int(step_bytes),
+        "achieved_bandwidth_gbs": step_bytes / (decode_median / 1e3) / 1e9,
+        "machine_read_bandwidth_gbs": bandwidth,
+        "machine_matmul_gflops": gflops,
+        "decode_floor_ms": floor_ms,
+        "decode_vs_floor": decode_median / floor_ms,
+    }
+
+
+def sweep_contexts(n_positions: int, new_tokens: int) -> list[int]:
+    """32, 64, 128, ... and the longest context that still leaves room for `new_tokens`."""
+    top = n_positions - new_tokens
+    out, c = [], 32
+    while c < top:
+        out.append(c)
+        c *= 2
+    return out + [top] if top >= 1 else out
+
+
+def run_sweep(model_dir: Path, cfg: BenchConfig, new_tokens: int = 8, log=sys.stderr) -> list[dict[str, float]]:
+    """Decode ms/token (median over `repeat` runs of `new_tokens`) at growing contexts."""
+    work = Workload(Path(model_dir), BenchConfig(**{**asdict(cfg), "prompt_len": 1, "new_tokens": 2}))
+    rows = []
+    contexts = sweep_contexts(work.folder.dims["n_positions"], new_tokens)
+    for context in tqdm(contexts, desc="sweep", unit="context", file=log, leave=False):
+        work.run(context, new_tokens)  # warm-up at this size
+        steps = []
+        for _ in range(cfg.repeat):
+            steps += work.run(context, new_tokens).decode_ms
+        rows.append({"context": context, "decode_ms_per_token": float(np.median(steps))})
+    return rows
+
+
+def plot_sweep(rows: list[dict[str, float]], path: Path, title: str) -> None:
+    """PNG of decode ms/token against context (needs the `plot` extra: matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise GenerationError("--plot needs matplotlib: pip install 'gpt2edge[plot]'.") from e
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["context"] for r in rows], [r["decode_ms_per_token"] for r in rows], marker="o")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode ms / token")
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def bench_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The human-readable table of a bench record."""
+    rows = [
+        ("model", f"{r['model']} ({r['precision']})"),
+        (
+            "workload",
+            "batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, {repeat} runs".format(**r["config"]),
+        ),
+        ("prefill (time to first token)", f"{r['prefill_ms']:.1f} ms  ({r['prefill_vs_floor']:.2f} x FLOP floor)"),
+        ("decode median / p90", f"{r['decode_ms_per_token']:.2f} / {r['decode_ms_p90']:.2f} ms/token"),
+        ("tokens/s", f"{r['tokens_per_s']:.1f}"),
+        ("sampler overhead", f"{r['sampler_ms_per_token']:.3f} ms/token"),
+        ("peak RSS", f"{r['peak_rss_mb']:.0f} MB"),
+        ("model bytes", f"{r['model_bytes'] / 1e6:.1f} MB"),
+        ("bytes read per decode step", f"{r['bytes_read_per_step'] / 1e6:.1f} MB"),
+        ("achieved bandwidth", f"{r['achieved_bandwidth_gbs']:.1f} GB/s"),
+        ("machine read bandwidth (probe)", f"{r['machine_read_bandwidth_gbs']:.1f} GB/s"),
+        ("decode floor / vs floor", f"{r['decode_floor_ms']:.2f} ms  ({r['decode_vs_floor']:.2f} x floor)"),
+    ]
+    if "torch" in r:
+        t = r["torch"]
+        rows += [
+            ("PyTorch prefill / decode", f"{t['prefill_ms']:.1f} ms / {t['decode_ms_per_token']:.2f} ms/token"),
+            ("speed-up vs PyTorch", f"prefill {t['prefill_speedup']:.2f} x, decode {t['decode_speedup']:.2f} x"),
+        ]
+    return rows
