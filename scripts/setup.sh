@@ -12,7 +12,7 @@ pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
 python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null || pip_q torch==2.13.0
 if [ "${1:-}" = "--gpu" ]; then
     pip_q --no-deps -e .
-    pip_q numpy tokenizers click tqdm transformers onnx onnxscript safetensors pytest ruff psutil scipy
+    pip_q numpy tokenizers click tqdm transformers onnx onnxscript safetensors pytest ruff scipy matplotlib
     python -m pip uninstall -q -y onnxruntime 2>/dev/null || true
     pip_q --force-reinstall --no-deps onnxruntime-gpu
 else

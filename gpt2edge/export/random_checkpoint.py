@@ -19,7 +19,7 @@ EOS = "<|endoftext|>"
 SIZES = {
     "tiny": dict(n_layer=2, n_head=4, n_embd=64, n_positions=128, initializer_range=0.2),
     "mini": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256, initializer_range=0.2),
-    "small": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024),
+    "small": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257),
 }
 
 
@@ -44,19 +44,15 @@ def make_random_checkpoint(
 
     if size not in SIZES:
         raise CheckpointError(f"Unknown size '{size}'; choose one of {', '.join(SIZES)}.")
-    if tokenizer_dir:
-        tokenizer = load_tokenizer(tokenizer_dir)
-    elif size == "small":
-        raise CheckpointError(
-            "The 'small' (124M) shape needs the real GPT-2 vocabulary: pass --tokenizer DIR "
-            "(a folder with vocab.json and merges.txt)."
-        )
-    else:
-        tokenizer = train_tokenizer()
+    # without a tokenizer folder, a small one is trained here; "small" keeps GPT-2's 50,257-row embedding
+    # either way (ids past the trained vocabulary decode to nothing), so sizes and speed stay GPT-2's
+    tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else train_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     if not isinstance(eos_id, int) or tokenizer.convert_ids_to_tokens(eos_id) != EOS:
         raise CheckpointError(f"The tokenizer has no {EOS} token; use a GPT-2 byte-level BPE tokenizer.")
-    config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=eos_id, eos_token_id=eos_id, **SIZES[size])
+    shape = dict(SIZES[size])
+    vocab_size = max(len(tokenizer), shape.pop("vocab_size", 0))
+    config = GPT2Config(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, **shape)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).eval()
     with atomic_output_dir(Path(out), force=force) as tmp:

@@ -1,0 +1,72 @@
+"""`gpt2edge bench`: every field present and plausible, the sweep and its plot, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from gpt2edge.cli import main
+from gpt2edge.manifest import read_manifest
+
+FIELDS = (
+    "prefill_ms",
+    "decode_ms_per_token",
+    "decode_ms_p90",
+    "tokens_per_s",
+    "sampler_ms_per_token",
+    "peak_rss_mb",
+    "model_bytes",
+    "bytes_read_per_step",
+    "achieved_bandwidth_gbs",
+    "machine_read_bandwidth_gbs",
+    "machine_matmul_gflops",
+    "decode_floor_ms",
+    "decode_vs_floor",
+    "prefill_floor_ms",
+)
+
+
+def bench(*args):
+    return CliRunner().invoke(main, ["bench", *map(str, args)])
+
+
+def test_bench_json_fields_are_plausible(tiny_export):
+    r = bench(tiny_export, "--prompt-len", "16", "--new-tokens", "8", "--repeat", "2", "--json")
+    assert r.exit_code == 0, r.output
+    rec = json.loads(r.stdout)  # stdout is pure JSON
+    for f in FIELDS:
+        assert rec[f] > 0, f
+    assert rec["decode_ms_p90"] >= rec["decode_ms_per_token"]
+    manifest = read_manifest(tiny_export)
+    assert rec["model_bytes"] == manifest["files"]["model.onnx"]["size"]
+    assert rec["bytes_read_per_step"] > manifest["graph"]["decode_weight_bytes"]  # weights + KV cache
+    assert rec["config"]["repeat"] == 2 and rec["precision"] == "fp32"
+
+
+def test_sweep_and_plot(tiny_export, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    r = bench(
+        tiny_export, "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1", "--sweep", "--plot", png, "--json"
+    )
+    assert r.exit_code == 0, r.output
+    rec = json.loads(r.stdout)
+    contexts = [row["context"] for row in rec["sweep"]]
+    assert contexts[0] == 32 and contexts[-1] == read_manifest(tiny_export)["dims"]["n_positions"] - 8
+    assert all(row["decode_ms_per_token"] > 0 for row in rec["sweep"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, phrase",
+    [
+        (["--prompt-len", "200"], "exceeds the model's 128 positions"),
+        (["--repeat", "0"], "--repeat must be >= 1"),
+        (["--batch", "0"], "--batch must be >= 1"),
+    ],
+)
+def test_bad_input(tiny_export, args, phrase):
+    r = bench(tiny_export, *args)
+    assert r.exit_code == 1 and phrase in r.output, r.output
