@@ -50,6 +50,13 @@ def main() -> None:
     show_default=True,
     help="last: next-token log-probs (generation); all: every position (scoring, perplexity).",
 )
+@click.option(
+    "--kv-cache",
+    type=click.Choice(["concat", "shared"]),
+    default="concat",
+    show_default=True,
+    help="concat: Optimum's past/present contract; shared: the CPU fast path (cache updated in place).",
+)
 @click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18..23).")
 @click.option("--validate/--no-validate", default=True, show_default=True, help="Compare with PyTorch after export.")
 @click.option("--atol", type=float, default=1e-4, show_default=True, help="Validation tolerance (max abs diff).")
@@ -58,7 +65,7 @@ def main() -> None:
 @click.option("--tokenizer", default=None, help="Take the tokenizer from this folder or hub id instead.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
 @friendly_errors
-def export(source, out, head, opset, validate, atol, force, revision, tokenizer, as_json) -> None:
+def export(source, out, head, kv_cache, opset, validate, atol, force, revision, tokenizer, as_json) -> None:
     """Export checkpoint -m SOURCE to the folder OUT (ONNX graph, tokenizer, configs, manifest)."""
     from gpt2edge.export import export_model
 
@@ -66,6 +73,7 @@ def export(source, out, head, opset, validate, atol, force, revision, tokenizer,
         source,
         out,
         head=head,
+        kv_cache=kv_cache,
         opset=opset,
         run_validation=validate,
         atol=atol,

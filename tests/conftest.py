@@ -41,3 +41,12 @@ def tiny_export_all(tiny_checkpoint, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("exp") / "tiny-all"
     export_model(str(tiny_checkpoint), out, head="all")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_export_shared(tiny_checkpoint, tmp_path_factory) -> Path:
+    from gpt2edge.export import export_model
+
+    out = tmp_path_factory.mktemp("exp") / "tiny-shared"
+    export_model(str(tiny_checkpoint), out, kv_cache="shared")
+    return out

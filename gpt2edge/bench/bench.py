@@ -108,8 +108,11 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, An
 
     itemsize = np.dtype(work.folder.kv_dtype).itemsize
     weights = work.folder.manifest["graph"].get("decode_weight_bytes") or work.folder.model_bytes()
-    mean_context = cfg.prompt_len + (cfg.new_tokens - 1) / 2
-    step_bytes = weights + kv_bytes_per_step(dims, cfg.batch, mean_context, itemsize)
+    if work.lm.shared:  # the graph reads the whole cache once (its capacity), copies nothing
+        kv_read = kv_bytes_per_step(dims, cfg.batch, cfg.prompt_len + cfg.new_tokens - 1, itemsize)
+    else:  # Concat reads the past, attention reads the present: twice the mean context
+        kv_read = 2 * kv_bytes_per_step(dims, cfg.batch, cfg.prompt_len + (cfg.new_tokens - 1) / 2, itemsize)
+    step_bytes = weights + kv_read
     decode_median = float(np.median(decode))
     floor_ms = step_bytes / (bandwidth * 1e9) * 1e3
     flops = prefill_flops(dims, cfg.batch, cfg.prompt_len)
@@ -117,6 +120,7 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, An
     return {
         "model": str(model_dir),
         "precision": work.folder.precision,
+        "kv_cache": "shared" if work.lm.shared else "concat",
         "vocab_size": dims["vocab_size"],
         "config": asdict(cfg),
         "prefill_ms": float(np.median(prefill)),
@@ -186,7 +190,7 @@ def plot_sweep(rows: list[dict[str, float]], path: Path, title: str) -> None:
 def bench_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     """The human-readable table of a bench record."""
     rows = [
-        ("model", f"{r['model']} ({r['precision']})"),
+        ("model", f"{r['model']} ({r['precision']}, {r['kv_cache']} KV cache)"),
         (
             "workload",
             "batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, {repeat} runs".format(**r["config"]),

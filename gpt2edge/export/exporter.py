@@ -13,7 +13,7 @@ from tqdm import tqdm
 import gpt2edge
 from gpt2edge.errors import ExportError
 from gpt2edge.export.checkpoint import load_checkpoint
-from gpt2edge.export.model import HEAD_MODES, from_hf_model
+from gpt2edge.export.model import HEAD_MODES, KV_CACHE_MODES, from_hf_model
 from gpt2edge.export.onnx_graph import DEFAULT_OPSET, SUPPORTED_OPSETS, export_graph, io_spec
 from gpt2edge.export.validate import DEFAULT_ATOL, Check, checks_to_json, print_checks, raise_on_failure, validate
 from gpt2edge.folder import atomic_output_dir, check_output_dir
@@ -55,6 +55,7 @@ def export_model(
     out: Path,
     *,
     head: str = "last",
+    kv_cache: str = "concat",
     opset: int = DEFAULT_OPSET,
     run_validation: bool = True,
     atol: float = DEFAULT_ATOL,
@@ -71,6 +72,8 @@ def export_model(
         raise ExportError(
             f"Opset {opset} is not supported; choose {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}."
         )
+    if kv_cache not in KV_CACHE_MODES:
+        raise ExportError(f"Unknown KV cache mode '{kv_cache}'; choose one of {', '.join(KV_CACHE_MODES)}.")
     if not atol > 0:
         raise ExportError(f"--atol must be positive, got {atol}.")
     check_output_dir(out, force)
@@ -80,7 +83,7 @@ def export_model(
     with tqdm(total=5 if run_validation else 4, desc="export", unit="step", file=sys.stderr, leave=False) as steps:
         steps.set_postfix_str("loading checkpoint")
         ckpt = load_checkpoint(source, revision=revision, tokenizer_source=tokenizer)
-        model = from_hf_model(ckpt.model, head=head)
+        model = from_hf_model(ckpt.model, head=head, kv_cache=kv_cache)
         steps.update()
         with atomic_output_dir(out, force=force) as tmp:
             steps.set_postfix_str("tracing to ONNX")
@@ -95,7 +98,7 @@ def export_model(
 
             if run_validation:
                 steps.set_postfix_str("validating against PyTorch")
-                checks = validate(tmp / MODEL_FILE, ckpt.model, head=head, atol=atol)
+                checks = validate(tmp / MODEL_FILE, ckpt.model, head=head, atol=atol, kv_cache=kv_cache)
                 steps.update()
                 steps.clear()
                 print(f"validation (ONNX Runtime vs PyTorch, atol {atol:g}):", file=log)
@@ -114,6 +117,7 @@ def export_model(
                         "files": graph_files,
                         "opset": opset,
                         "head": head,
+                        "kv_cache": kv_cache,
                         "precision": "fp32",
                         "kv_dtype": "float32",
                         "tied_lm_head": model.lm_head is None,

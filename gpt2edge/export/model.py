@@ -28,6 +28,11 @@ _ACTIVATIONS = {
 }
 
 HEAD_MODES = ("last", "all")
+# concat: past (B, nh, P, hs) in, present = past + new (B, nh, P+S, hs) out (Optimum's contract).
+# shared: past is the whole pre-allocated cache (B, nh, capacity, hs), slots marked valid by the attention
+#         mask; the graph returns only the new entries (B, nh, S, hs), which the runtime writes into the
+#         cache in place. No step copies the cache (the CPU fast path).
+KV_CACHE_MODES = ("concat", "shared")
 
 
 @dataclass(frozen=True)
@@ -100,21 +105,30 @@ class Attention(nn.Module):
             scale /= float(layer_idx + 1)
         self.scale = scale
 
-    def forward(self, x, past_k, past_v, allowed):
+    def forward(self, x, past_k, past_v, allowed, shared: bool):
         B, S, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, S, C) -> (B, nh, S, hs)
         q = q.view(B, S, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, S, self.n_head, self.head_dim).transpose(1, 2)
         v = v.view(B, S, self.n_head, self.head_dim).transpose(1, 2)
-        # the cache grows along the sequence axis: (B, nh, P, hs) + (B, nh, S, hs) -> (B, nh, P+S, hs)
-        k = torch.cat([past_k, k], dim=2)
-        v = torch.cat([past_v, v], dim=2)
-        att = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # (B, nh, S, P+S)
-        # a finite floor, not -inf: a fully masked row (a padded query) must give a uniform softmax, not NaN
-        att = torch.where(allowed, att, torch.finfo(att.dtype).min)
-        att = torch.softmax(att, dim=-1)
-        y = torch.matmul(att, v)  # (B, nh, S, hs)
+        if shared:
+            # scores against the cache slots and against the new tokens, side by side: (B, nh, S, cap+S);
+            # the cache is read once by each matmul and never copied
+            att = torch.cat([torch.matmul(q, past_k.transpose(-1, -2)), torch.matmul(q, k.transpose(-1, -2))], -1)
+            att = torch.where(allowed, att * self.scale, torch.finfo(att.dtype).min)
+            att = torch.softmax(att, dim=-1)
+            cap = past_k.shape[2]
+            y = torch.matmul(att[..., :cap], past_v) + torch.matmul(att[..., cap:], v)  # (B, nh, S, hs)
+        else:
+            # the cache grows along the sequence axis: (B, nh, P, hs) + (B, nh, S, hs) -> (B, nh, P+S, hs)
+            k = torch.cat([past_k, k], dim=2)
+            v = torch.cat([past_v, v], dim=2)
+            att = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # (B, nh, S, P+S)
+            # a finite floor, not -inf: a fully masked row (a padded query) gives a uniform softmax, not NaN
+            att = torch.where(allowed, att, torch.finfo(att.dtype).min)
+            att = torch.softmax(att, dim=-1)
+            y = torch.matmul(att, v)  # (B, nh, S, hs)
         y = y.transpose(1, 2).reshape(B, S, C)
         return self.c_proj(y), k, v
 
@@ -138,8 +152,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(dims.n_embd, eps=dims.layer_norm_epsilon)
         self.mlp = MLP(dims)
 
-    def forward(self, x, past_k, past_v, allowed):
-        a, k, v = self.attn(self.ln_1(x), past_k, past_v, allowed)
+    def forward(self, x, past_k, past_v, allowed, shared: bool):
+        a, k, v = self.attn(self.ln_1(x), past_k, past_v, allowed, shared)
         x = x + a
         x = x + self.mlp(self.ln_2(x))
         return x, k, v
@@ -148,13 +162,14 @@ class Block(nn.Module):
 class ExportableGPT2(nn.Module):
     """forward(input_ids, attention_mask, position_ids, *past) -> (logprobs, *presents).
 
-    past / presents are flat: key_0, value_0, key_1, value_1, ... each (B, nh, T, hs).
+    past / presents are flat: key_0, value_0, key_1, value_1, ... each (B, nh, T, hs); see KV_CACHE_MODES.
     """
 
-    def __init__(self, dims: Dims, head: str = "last", tied_head: bool = True):
+    def __init__(self, dims: Dims, head: str = "last", tied_head: bool = True, kv_cache: str = "concat"):
         super().__init__()
         self.dims = dims
         self.head = head
+        self.kv_cache = kv_cache
         self.wte = nn.Embedding(dims.vocab_size, dims.n_embd)
         self.wpe = nn.Embedding(dims.n_positions, dims.n_embd)
         self.h = nn.ModuleList(Block(dims, i) for i in range(dims.n_layer))
@@ -164,16 +179,18 @@ class ExportableGPT2(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
         B, S = input_ids.shape
-        T = attention_mask.shape[1]  # past + current length
+        T = attention_mask.shape[1]  # past (or cache capacity) + current length
         x = self.wte(input_ids) + self.wpe(position_ids)  # (B, S, C)
-        # query i sits at absolute slot T-S+i and may look at key slots j <= T-S+i that are not padding
+        # query i sits at absolute slot T-S+i and may look at key slots j <= T-S+i that are not padding;
+        # in shared mode slots 0..cap-1 are the cache (all before the new tokens), valid where the mask says
         key_slot = torch.arange(T, device=x.device)
         query_slot = torch.arange(S, device=x.device) + (T - S)
         causal = key_slot.unsqueeze(0) <= query_slot.unsqueeze(1)  # (S, T)
         allowed = causal.unsqueeze(0).unsqueeze(0) & attention_mask.bool().unsqueeze(1).unsqueeze(2)  # (B,1,S,T)
+        shared = self.kv_cache == "shared"
         presents = []
         for i, block in enumerate(self.h):
-            x, k, v = block(x, past[2 * i], past[2 * i + 1], allowed)
+            x, k, v = block(x, past[2 * i], past[2 * i + 1], allowed, shared)
             presents += [k, v]
         if self.head == "last":
             x = x[:, -1, :]  # (B, C): generation needs the next-token distribution only
@@ -183,14 +200,14 @@ class ExportableGPT2(nn.Module):
         return (torch.log_softmax(logits.float(), dim=-1), *presents)
 
 
-def from_hf_model(hf_model, head: str = "last") -> ExportableGPT2:
+def from_hf_model(hf_model, head: str = "last", kv_cache: str = "concat") -> ExportableGPT2:
     """Copy a transformers GPT2LMHeadModel's weights into an ExportableGPT2, checking every key and shape."""
     dims = Dims.from_hf_config(hf_model.config)
     sd = hf_model.state_dict()
     head_w = sd.get("lm_head.weight")
     wte = sd["transformer.wte.weight"]
     tied = head_w is None or head_w.data_ptr() == wte.data_ptr() or torch.equal(head_w, wte)
-    model = ExportableGPT2(dims, head=head, tied_head=tied)
+    model = ExportableGPT2(dims, head=head, tied_head=tied, kv_cache=kv_cache)
     ours = model.state_dict()
     mapped = {k.removeprefix("transformer."): v for k, v in sd.items() if k.startswith("transformer.")}
     # HF keeps non-parameter buffers in some checkpoints (causal mask tables); they carry no weights

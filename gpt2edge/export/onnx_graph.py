@@ -29,8 +29,8 @@ def io_names(n_layer: int) -> tuple[list[str], list[str]]:
 def io_spec(model: ExportableGPT2) -> dict[str, list[dict]]:
     """Names, dtypes and symbolic shapes of every input and output, for the manifest."""
     d = model.dims
-    kv = ["batch", d.n_head, "past_seq", d.head_dim]
-    present = ["batch", d.n_head, "past_seq + seq", d.head_dim]
+    kv = ["batch", d.n_head, "past_seq", d.head_dim]  # shared: past_seq is the cache capacity
+    present = ["batch", d.n_head, "past_seq + seq" if model.kv_cache == "concat" else "seq", d.head_dim]
     logprobs = ["batch", d.vocab_size] if model.head == "last" else ["batch", "seq", d.vocab_size]
     inputs, outputs = io_names(d.n_layer)
     return {

@@ -65,8 +65,13 @@ def fixed_inputs(vocab_size: int, n_positions: int, seed: int = 0):
     return ids, mask, nxt
 
 
-def validate(onnx_path: Path, hf_model, head: str = "last", atol: float = DEFAULT_ATOL, log=None) -> list[Check]:
-    """Run ORT and PyTorch side by side; returns every check (raise_on_failure turns them into an error)."""
+def validate(
+    onnx_path: Path, hf_model, head: str = "last", atol: float = DEFAULT_ATOL, log=None, kv_cache: str = "concat"
+) -> list[Check]:
+    """Run ORT and PyTorch side by side; returns every check (raise_on_failure turns them into an error).
+
+    A shared-cache graph gets the same cases: its past is PyTorch's cache placed in a larger zeroed buffer
+    (slots past the end masked), and its outputs are compared with the new entries of PyTorch's cache."""
     import onnxruntime as ort
 
     cfg = hf_model.config
@@ -80,6 +85,9 @@ def validate(onnx_path: Path, hf_model, head: str = "last", atol: float = DEFAUL
 
     def compare(case, ort_out, ref_logprobs, ref_presents, step_mask, seq):
         real = step_mask[:, -seq:].astype(bool)  # (B, seq): which query positions are real tokens
+        if kv_cache == "shared":  # the graph returns only the new entries
+            ref_presents = [r[:, :, -seq:] for r in ref_presents]
+            step_mask = step_mask[:, -seq:]
         got = ort_out[0]
         if head == "last":
             diff = np.abs(got - ref_logprobs[:, -1].numpy()).max()
@@ -105,7 +113,12 @@ def validate(onnx_path: Path, hf_model, head: str = "last", atol: float = DEFAUL
     mask2 = np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1)
     pos2 = position_ids_from_mask(mask2, 1)
     past = [p.numpy() for p in ref_present]
-    ort_out = sess.run(out_names, dict(zip(in_names, [nxt, mask2, pos2, *past])))
+    graph_mask = mask2
+    if kv_cache == "shared":
+        spare = 3  # unused cache slots after the valid ones, masked out
+        past = [np.concatenate([p, np.zeros((B, H, spare, D), np.float32)], axis=2) for p in past]
+        graph_mask = np.concatenate([mask, np.zeros((B, spare), np.int64), np.ones((B, 1), np.int64)], axis=1)
+    ort_out = sess.run(out_names, dict(zip(in_names, [nxt, graph_mask, pos2, *past])))
     ref_lp, ref_present = hf_step(hf_model, *map(torch.from_numpy, (nxt, mask2, pos2)), list(ref_present))
     compare("decode 1 token with past", ort_out, ref_lp, ref_present, mask2, 1)
 

@@ -1,9 +1,16 @@
 """The KV cache: allocated once per generation for the whole length, handed to ONNX Runtime by pointer.
 
-The graph reads past (B, nh, P, hs) and writes present (B, nh, P+S, hs). Each layer's key and value get two
-flat buffers sized for the longest sequence; a step reads its past from one and writes its present into the
-other, then they swap (ping-pong). A prefix of a flat buffer is a contiguous (B, nh, T, hs) tensor for every
-T, so no step allocates or copies cache memory on our side, and on CUDA the cache never leaves the device.
+Two layouts, one per graph kind (the manifest's graph.kv_cache):
+
+concat (Optimum's contract): the graph reads past (B, nh, P, hs) and writes present (B, nh, P+S, hs). Each
+  layer's key and value get two flat buffers sized for the longest sequence; a step reads its past from one
+  and writes its present into the other, then they swap (ping-pong). A prefix of a flat buffer is a
+  contiguous (B, nh, T, hs) tensor for every T, so no step allocates cache memory, and on CUDA the cache
+  never leaves the device. The graph itself still copies the cache once per step (its Concat).
+
+shared (the CPU fast path): the graph reads the whole cache (B, nh, capacity, hs), masked to the valid slots,
+  and returns only the new entries (B, nh, S, hs) into a small scratch buffer; the runtime writes those into
+  the cache at their positions. Nothing copies the cache: a decode step moves a few KB besides reading it.
 """
 
 from __future__ import annotations
@@ -11,7 +18,20 @@ from __future__ import annotations
 import numpy as np
 
 
+def _alloc(shape: tuple[int, ...], dtype: np.dtype, device: str, zero: bool = False):
+    """(storage, base address): a numpy array on CPU, an OrtValue on CUDA."""
+    if device == "cpu":
+        arr = np.zeros(shape, dtype=dtype) if zero else np.empty(shape, dtype=dtype)
+        return arr, arr.ctypes.data
+    import onnxruntime as ort
+
+    val = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype.type, "cuda", 0)
+    return val, val.data_ptr()
+
+
 class KVCache:
+    """Ping-pong buffers for concat graphs (see the module docstring)."""
+
     def __init__(self, n_layer: int, n_head: int, head_dim: int, dtype: type = np.float32, device: str = "cpu"):
         self.n_tensors = 2 * n_layer  # key and value per layer
         self.n_head = n_head
@@ -22,23 +42,16 @@ class KVCache:
         self.capacity = 0  # sequence slots per buffer
         self.allocations = 0  # how many times memory was reserved (tests check it stays 1 per generation)
         self.src = 0  # which of the two slots holds the current past
+        self.max_step = 0  # most new positions one step may add (shared layout's scratch size)
         self._storage = None  # numpy array (CPU) or OrtValue (CUDA), shape (2, n_tensors, elems)
         self._base = 0
         self._elems = 0
 
-    def reserve(self, batch: int, length: int) -> None:
+    def reserve(self, batch: int, length: int, max_step: int) -> None:
         """Make room for `batch` rows of `length` positions; reuses the buffers when they are big enough."""
         elems = batch * self.n_head * length * self.head_dim
         if self._storage is None or batch != self.batch or length > self.capacity:
-            shape = (2, self.n_tensors, elems)
-            if self.device == "cpu":
-                self._storage = np.empty(shape, dtype=self.dtype)
-                self._base = self._storage.ctypes.data
-            else:
-                import onnxruntime as ort
-
-                self._storage = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype.type, "cuda", 0)
-                self._base = self._storage.data_ptr()
+            self._storage, self._base = _alloc((2, self.n_tensors, elems), self.dtype, self.device)
             self._elems = elems
             self.batch, self.capacity = batch, length
             self.allocations += 1
@@ -62,10 +75,62 @@ class KVCache:
                 present, self.device, 0, self.dtype.type, self.shape(past_len + new_len), self.pointer(dst, i)
             )
 
-    def swap(self) -> None:
+    def graph_mask(self, mask: np.ndarray, past_len: int) -> np.ndarray:
+        """The attention mask the graph takes: for concat graphs, the mask as it is (B, past + new)."""
+        return mask
+
+    def after_step(self, past_len: int, new_len: int) -> None:
         """After a step the present slot becomes the next step's past."""
         self.src = 1 - self.src
 
     def pointers(self) -> set[int]:
-        """Every address a binding may use: tests check that ORT wrote into these and nowhere else."""
+        """Every address a present binding may use: tests check that ORT wrote into these and nowhere else."""
         return {self.pointer(s, t) for s in (0, 1) for t in range(self.n_tensors)}
+
+
+class SharedKVCache(KVCache):
+    """One cache the graph reads whole and never copies, plus a scratch buffer for each step's new entries."""
+
+    def reserve(self, batch: int, length: int, max_step: int) -> None:
+        if self._storage is None or batch != self.batch or length > self.capacity or max_step > self.max_step:
+            if self.device != "cpu":
+                raise ValueError("the shared KV cache is written by NumPy: CPU only")
+            # zeroed once: masked slots get softmax weight 0, and 0 * NaN would still be NaN
+            self._storage = np.zeros((self.n_tensors, batch, self.n_head, length, self.head_dim), self.dtype)
+            self._scratch = np.empty((self.n_tensors, batch * self.n_head * max_step * self.head_dim), self.dtype)
+            self.batch, self.capacity, self.max_step = batch, length, max_step
+            self.allocations += 1
+
+    def bind(self, binding, past_names: list[str], present_names: list[str], past_len: int, new_len: int) -> None:
+        """Past = the whole cache (B, nh, capacity, hs); present = the step's new entries, into scratch."""
+        if past_len + new_len > self.capacity or new_len > self.max_step:
+            raise ValueError(f"KV cache holds {self.capacity} positions, step needs {past_len + new_len}")
+        t = self.dtype.type
+        for i, (past, present) in enumerate(zip(past_names, present_names)):
+            binding.bind_input(past, "cpu", 0, t, self.shape(self.capacity), self._storage[i].ctypes.data)
+            binding.bind_output(present, "cpu", 0, t, self.shape(new_len), self._scratch[i].ctypes.data)
+
+    def graph_mask(self, mask: np.ndarray, past_len: int) -> np.ndarray:
+        """(B, past + new) logical mask -> (B, capacity + new): cache slots past `past_len` are not valid yet."""
+        B, new = mask.shape[0], mask.shape[1] - past_len
+        out = np.zeros((B, self.capacity + new), dtype=np.int64)
+        out[:, :past_len] = mask[:, :past_len]
+        out[:, self.capacity :] = mask[:, past_len:]
+        return out
+
+    def after_step(self, past_len: int, new_len: int) -> None:
+        """Write the new entries into their slots: one strided copy of (n_tensors, B, nh, S, hs) elements."""
+        n = self.batch * self.n_head * new_len * self.head_dim
+        new = self._scratch[:, :n].reshape(self.n_tensors, self.batch, self.n_head, new_len, self.head_dim)
+        self._storage[:, :, :, past_len : past_len + new_len] = new
+
+    def write(self, new: list[np.ndarray], past_len: int) -> None:
+        """Without IO binding: put the graph's new entries (each (B, nh, S, hs)) into their slots."""
+        self._storage[:, :, :, past_len : past_len + new[0].shape[2]] = np.stack(new)
+
+    def tensors(self) -> list[np.ndarray]:
+        """The cache as graph inputs, without IO binding."""
+        return list(self._storage)
+
+    def pointers(self) -> set[int]:
+        return {self._scratch[i].ctypes.data for i in range(self.n_tensors)}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from gpt2edge.runtime.kv_cache import KVCache
+from gpt2edge.errors import DeviceError
+from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.session import ORT_DEVICE, create_session
 
@@ -19,6 +20,12 @@ class OrtLM:
         self.folder = folder
         self.device = device
         self.io_binding = io_binding
+        self.shared = folder.manifest["graph"].get("kv_cache", "concat") == "shared"
+        if self.shared and device != "cpu":
+            raise DeviceError(
+                f"{folder.path} uses the shared KV cache (the CPU fast path); for {device} export with "
+                "--kv-cache concat."
+            )
         self.session = create_session(folder.graph_path, device=device, threads=threads)
         d = folder.dims
         self.n_layer, self.n_head, self.head_dim = d["n_layer"], d["n_head"], d["head_dim"]
@@ -27,35 +34,42 @@ class OrtLM:
         self.past_names = names[3:]
         self.present_names = [o.name for o in self.session.get_outputs()][1:]
         self.kv_dtype = folder.kv_dtype
-        self.cache = KVCache(self.n_layer, self.n_head, self.head_dim, self.kv_dtype, ORT_DEVICE[device])
+        cache_cls = SharedKVCache if self.shared else KVCache
+        self.cache = cache_cls(self.n_layer, self.n_head, self.head_dim, self.kv_dtype, ORT_DEVICE[device])
         self.binding = self.session.io_binding() if io_binding else None
         self.past_len = 0
         self._presents: list[np.ndarray] = []  # only without IO binding
         self._logprobs = None  # pre-bound output buffer (head "last")
 
-    def start(self, batch: int, length: int) -> None:
-        """Prepare for a generation of `batch` rows and at most `length` positions: one allocation."""
+    def start(self, batch: int, length: int, max_step: int | None = None) -> None:
+        """Prepare for a generation of `batch` rows, at most `length` positions, steps of at most `max_step`
+        new positions (the prompt): one allocation."""
         self.past_len = 0
+        if self.io_binding or self.shared:
+            self.cache.reserve(batch, length, max_step or length)
         if self.io_binding:
-            self.cache.reserve(batch, length)
             if self.folder.head == "last":
                 shape = (batch, self.vocab_size)
                 if self.device == "cpu":
                     self._logprobs = np.empty(shape, dtype=np.float32)
                 else:
                     self._logprobs = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, "cuda", 0)
-        else:
+        elif not self.shared:
             empty = np.zeros((batch, self.n_head, 0, self.head_dim), dtype=self.kv_dtype)
             self._presents = [empty] * len(self.past_names)
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """(B, S) ids, (B, past+S) mask, (B, S) positions -> (B, V) float32 log-probs of the next token."""
         S = input_ids.shape[1]
+        attention_mask = self.cache.graph_mask(attention_mask, self.past_len)
         if not self.io_binding:
             feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-            feed.update(zip(self.past_names, self._presents))
+            feed.update(zip(self.past_names, self.cache.tensors() if self.shared else self._presents))
             out = self.session.run(None, feed)
-            self._presents = out[1:]
+            if self.shared:
+                self.cache.write(out[1:], self.past_len)
+            else:
+                self._presents = out[1:]
             self.past_len += S
             return out[0] if out[0].ndim == 2 else out[0][:, -1]
 
@@ -72,7 +86,7 @@ class OrtLM:
             b.bind_ortvalue_output("logprobs", lp)
         self.cache.bind(b, self.past_names, self.present_names, self.past_len, S)
         self.session.run_with_iobinding(b)
-        self.cache.swap()
+        self.cache.after_step(self.past_len, S)
         self.past_len += S
         if lp is None:
             return b.get_outputs()[0].numpy()[:, -1]

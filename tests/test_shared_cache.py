@@ -1,0 +1,83 @@
+"""The shared (in-place) KV cache graph: same results as the concat graph, and no step copies the cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from gpt2edge.errors import DeviceError
+from gpt2edge.export.validate import hf_step, position_ids_from_mask
+from gpt2edge.manifest import read_manifest
+from gpt2edge.quantize import make_recipe, quantize_model
+from gpt2edge.runtime import Generator
+
+ATOL = 1e-4
+
+
+def test_manifest_and_validation(tiny_export_shared):
+    m = read_manifest(tiny_export_shared)
+    assert m["graph"]["kv_cache"] == "shared"
+    assert all(c["ok"] for c in m["validation"]["checks"]) and len(m["validation"]["checks"]) == 4
+    present = next(o for o in m["graph"]["outputs"] if o["name"] == "present.0.key")
+    assert present["shape"][2] == "seq"
+
+
+def test_graph_reads_a_larger_masked_cache(tiny_export_shared, hf_model):
+    """Decode on PyTorch's cache placed in a bigger buffer with garbage-free spare slots masked out."""
+    cfg = hf_model.config
+    H, D = cfg.n_head, cfg.n_embd // cfg.n_head
+    sess = ort.InferenceSession(str(tiny_export_shared / "model.onnx"), providers=["CPUExecutionProvider"])
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 6), dtype=np.int64)
+    mask = np.ones((1, 6), np.int64)
+    _, past = hf_step(hf_model, *map(torch.from_numpy, (ids, mask, position_ids_from_mask(mask, 6))), None)
+    cap = 20
+    buffers = [np.concatenate([p.numpy(), np.full((1, H, cap - 6, D), 7.0, np.float32)], 2) for p in past]
+    graph_mask = np.concatenate([mask, np.zeros((1, cap - 6), np.int64), np.ones((1, 1), np.int64)], 1)
+    nxt = np.array([[3]], np.int64)
+    names = [i.name for i in sess.get_inputs()]
+    out = sess.run(None, dict(zip(names, [nxt, graph_mask, np.array([[6]]), *buffers])))
+    mask2 = np.ones((1, 7), np.int64)
+    ref_lp, ref_present = hf_step(hf_model, torch.from_numpy(nxt), torch.from_numpy(mask2), torch.tensor([[6]]), past)
+    assert np.abs(out[0] - ref_lp[:, -1].numpy()).max() < ATOL
+    assert out[1].shape == (1, H, 1, D)
+    assert np.abs(out[1] - ref_present[0][:, :, -1:].numpy()).max() < ATOL
+
+
+def test_same_tokens_as_concat_graph(tiny_export, tiny_export_shared):
+    prompts = ["Children learned to swim before they could read", "The city"]
+    greedy = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    sampled = dict(max_new_tokens=32, temperature=0.9, top_p=0.95, seed=4, ignore_eos=True)
+    concat, shared = Generator(tiny_export), Generator(tiny_export_shared)
+    unbound = Generator(tiny_export_shared, io_binding=False)
+    for kw in (greedy, sampled):
+        ref = [r.token_ids for r in concat.generate(prompts, **kw)]
+        assert [r.token_ids for r in shared.generate(prompts, **kw)] == ref
+        assert [r.token_ids for r in unbound.generate(prompts, **kw)] == ref
+
+
+def test_cache_is_allocated_once_and_never_rebound(tiny_export_shared):
+    g = Generator(tiny_export_shared)
+    cache = g.lm.cache
+    addresses = []
+    g.generate(
+        "The river", max_new_tokens=20, ignore_eos=True, callback=lambda s: addresses.append(g.lm.present_pointers())
+    )
+    storage = cache._storage.ctypes.data
+    assert cache.allocations == 1 and len(addresses) == 20
+    assert all(set(a) <= cache.pointers() for a in addresses)  # new entries land in the scratch buffer
+    g.generate("The river", max_new_tokens=20, ignore_eos=True)
+    assert cache.allocations == 1 and cache._storage.ctypes.data == storage
+
+
+def test_quantized_shared_variant_runs(tiny_export_shared, tmp_path):
+    quantize_model(tiny_export_shared, tmp_path / "q", make_recipe("int4"))
+    m = read_manifest(tmp_path / "q")
+    assert m["graph"]["kv_cache"] == "shared" and m["quality"]["top1_agreement"] >= 0.5
+    assert len(Generator(tmp_path / "q").generate("The", max_new_tokens=6, ignore_eos=True).token_ids) == 6
+
+
+def test_shared_graph_refuses_cuda(tiny_export_shared):
+    with pytest.raises(DeviceError, match="shared KV cache"):
+        Generator(tiny_export_shared, device="cuda")
