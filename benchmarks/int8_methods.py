@@ -29,8 +29,11 @@ def dynamic_int8(src: Path, out: Path) -> Path:
         if name != manifest["graph"]["file"]:
             shutil.copy2(src / name, out / name)
     quantize_dynamic(
-        src / manifest["graph"]["file"], out / manifest["graph"]["file"], weight_type=QuantType.QInt8,
-        op_types_to_quantize=["MatMul", "Gemm"], extra_options={"MatMulConstBOnly": True},
+        src / manifest["graph"]["file"],
+        out / manifest["graph"]["file"],
+        weight_type=QuantType.QInt8,
+        op_types_to_quantize=["MatMul", "Gemm"],
+        extra_options={"MatMulConstBOnly": True},
     )
     manifest["graph"] = {**manifest["graph"], "precision": "int8-dynamic", "files": [manifest["graph"]["file"]]}
     manifest["graph"].pop("decode_weight_bytes", None)

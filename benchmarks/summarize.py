@@ -8,10 +8,12 @@ from pathlib import Path
 
 
 def main(out: Path) -> None:
-    print("| precision | file MB | bytes/step MB | prefill 128 ms (x FLOP floor) | decode ms/token med / p90 "
-          "| floor ms (probe GB/s) | x floor | sampler ms | tok/s |")
+    print(
+        "| precision | file MB | bytes/step MB | prefill 128 ms (x FLOP floor) | decode ms/token med / p90 "
+        "| floor ms (probe GB/s) | x floor | sampler ms | tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
-    for mode in ("fp32", "fp16", "int8", "int4"):
+    for mode in ("fp32", "fp32-shared", "fp16", "int8", "int8-shared", "int4", "int4-shared"):
         p = out / f"bench-{mode}.json"
         if not p.exists():
             continue
@@ -25,14 +27,17 @@ def main(out: Path) -> None:
         )
         if "torch" in r:
             t = r["torch"]
-            print(f"| PyTorch eager ({t['torch']}) | | | {t['prefill_ms']:.0f} | {t['decode_ms_per_token']:.2f} | | | | |")
-    sweep = out / "sweep-fp32.json"
-    if sweep.exists():
-        rows = json.loads(sweep.read_text())["sweep"]
-        print("\n| context | fp32 decode ms/token |\n|---|---|")
-        for row in rows:
-            print(f"| {row['context']} | {row['decode_ms_per_token']:.2f} |")
-        print(f"\nratio last/first context: {rows[-1]['decode_ms_per_token'] / rows[0]['decode_ms_per_token']:.2f}")
+            torch_row = f"| PyTorch eager ({t['torch']}) | | | {t['prefill_ms']:.0f} | {t['decode_ms_per_token']:.2f} "
+            print(torch_row + "| | | | |")
+    for variant in ("fp32", "fp32-shared"):
+        sweep = out / f"sweep-{variant}.json"
+        if sweep.exists():
+            rows = json.loads(sweep.read_text())["sweep"]
+            print(f"\n| context | {variant} decode ms/token |\n|---|---|")
+            for row in rows:
+                print(f"| {row['context']} | {row['decode_ms_per_token']:.2f} |")
+            ratio = rows[-1]["decode_ms_per_token"] / rows[0]["decode_ms_per_token"]
+            print(f"\n{variant}: ratio last/first context: {ratio:.2f}")
     for name in ("quantize-int8.json", "quantize-int4.json", "quantize-fp16.json"):
         p = out / name
         if p.exists():
