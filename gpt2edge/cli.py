@@ -301,11 +301,21 @@ def bench(
     model_dir, prompt_len, new_tokens, batch, threads, device, repeat, sweep, plot, vs_torch, source, as_json
 ) -> None:
     """Prefill / decode latency of MODEL_DIR, its bandwidth and FLOP floors, measured in one run."""
-    from gpt2edge.bench.bench import BenchConfig, bench_prompts, bench_rows, plot_sweep, run_bench, run_sweep
+    from gpt2edge.bench.bench import (
+        BenchConfig,
+        bench_prompts,
+        bench_rows,
+        check_plotting,
+        plot_sweep,
+        run_bench,
+        run_sweep,
+    )
 
     cfg = BenchConfig(prompt_len, new_tokens, batch, threads, device, repeat)
-    if plot is not None and not sweep:
-        raise click.UsageError("--plot needs --sweep.")
+    if plot is not None:
+        if not sweep:
+            raise click.UsageError("--plot needs --sweep.")
+        check_plotting()
     record = run_bench(model_dir, cfg)
     if vs_torch:
         from gpt2edge.bench.torch_baseline import torch_bench

@@ -166,15 +166,22 @@ def run_sweep(model_dir: Path, cfg: BenchConfig, new_tokens: int = 8, log=sys.st
     return rows
 
 
+def check_plotting() -> None:
+    """Fail before any measurement when --plot cannot be honoured."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise GenerationError("--plot needs matplotlib: pip install 'gpt2edge[plot]'.")
+
+
 def plot_sweep(rows: list[dict[str, float]], path: Path, title: str) -> None:
     """PNG of decode ms/token against context (needs the `plot` extra: matplotlib)."""
-    try:
-        import matplotlib
+    check_plotting()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise GenerationError("--plot needs matplotlib: pip install 'gpt2edge[plot]'.") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["context"] for r in rows], [r["decode_ms_per_token"] for r in rows], marker="o")
     ax.set_xlabel("context (tokens)")

@@ -64,7 +64,10 @@ def resolve_source(source: str) -> tuple[str, str]:
         _check_local_folder(path)
         return "local", str(path.resolve())
     if source.startswith((".", "/", "~")) or not _HUB_ID.match(source):
-        raise CheckpointError(f"{source} does not exist (and is not a Hugging Face Hub id such as 'gpt2').")
+        raise CheckpointError(
+            f"{source} does not exist, and it is not a Hugging Face Hub id such as 'gpt2' or 'org/name' "
+            "(for a hub model, note that this machine may be offline)."
+        )
     return "hub", source
 
 
