@@ -101,21 +101,25 @@ class SharedKVCache(KVCache):
             self.batch, self.capacity, self.max_step = batch, length, max_step
             self.allocations += 1
 
+    def visible(self, past_len: int) -> int:
+        """Cache slots the graph reads: all of them, except at prefill, when none is valid yet."""
+        return self.capacity if past_len else 0
+
     def bind(self, binding, past_names: list[str], present_names: list[str], past_len: int, new_len: int) -> None:
         """Past = the whole cache (B, nh, capacity, hs); present = the step's new entries, into scratch."""
         if past_len + new_len > self.capacity or new_len > self.max_step:
             raise ValueError(f"KV cache holds {self.capacity} positions, step needs {past_len + new_len}")
-        t = self.dtype.type
+        t, shape = self.dtype.type, self.shape(self.visible(past_len))
         for i, (past, present) in enumerate(zip(past_names, present_names)):
-            binding.bind_input(past, "cpu", 0, t, self.shape(self.capacity), self._storage[i].ctypes.data)
+            binding.bind_input(past, "cpu", 0, t, shape, self._storage[i].ctypes.data)
             binding.bind_output(present, "cpu", 0, t, self.shape(new_len), self._scratch[i].ctypes.data)
 
     def graph_mask(self, mask: np.ndarray, past_len: int) -> np.ndarray:
-        """(B, past + new) logical mask -> (B, capacity + new): cache slots past `past_len` are not valid yet."""
-        B, new = mask.shape[0], mask.shape[1] - past_len
-        out = np.zeros((B, self.capacity + new), dtype=np.int64)
+        """(B, past + new) logical mask -> (B, visible + new): cache slots past `past_len` are not valid yet."""
+        B, new, visible = mask.shape[0], mask.shape[1] - past_len, self.visible(past_len)
+        out = np.zeros((B, visible + new), dtype=np.int64)
         out[:, :past_len] = mask[:, :past_len]
-        out[:, self.capacity :] = mask[:, past_len:]
+        out[:, visible:] = mask[:, past_len:]
         return out
 
     def after_step(self, past_len: int, new_len: int) -> None:
@@ -128,9 +132,9 @@ class SharedKVCache(KVCache):
         """Without IO binding: put the graph's new entries (each (B, nh, S, hs)) into their slots."""
         self._storage[:, :, :, past_len : past_len + new[0].shape[2]] = np.stack(new)
 
-    def tensors(self) -> list[np.ndarray]:
+    def tensors(self, past_len: int) -> list[np.ndarray]:
         """The cache as graph inputs, without IO binding."""
-        return list(self._storage)
+        return list(self._storage[:, :, :, : self.visible(past_len)])
 
     def pointers(self) -> set[int]:
         return {self._scratch[i].ctypes.data for i in range(self.n_tensors)}

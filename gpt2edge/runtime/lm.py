@@ -40,11 +40,14 @@ class OrtLM:
         self.past_len = 0
         self._presents: list[np.ndarray] = []  # only without IO binding
         self._logprobs = None  # pre-bound output buffer (head "last")
+        self._inputs: dict[str, np.ndarray] = {}  # the int64 buffers bound as inputs
+        self._bound_shapes = None  # input shapes of the current binding (shared-cache graphs reuse it)
 
     def start(self, batch: int, length: int, max_step: int | None = None) -> None:
         """Prepare for a generation of `batch` rows, at most `length` positions, steps of at most `max_step`
         new positions (the prompt): one allocation."""
         self.past_len = 0
+        self._bound_shapes = None  # new buffers below: bind afresh
         if self.io_binding or self.shared:
             self.cache.reserve(batch, length, max_step or length)
         if self.io_binding:
@@ -64,7 +67,7 @@ class OrtLM:
         attention_mask = self.cache.graph_mask(attention_mask, self.past_len)
         if not self.io_binding:
             feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-            feed.update(zip(self.past_names, self.cache.tensors() if self.shared else self._presents))
+            feed.update(zip(self.past_names, self.cache.tensors(self.past_len) if self.shared else self._presents))
             out = self.session.run(None, feed)
             if self.shared:
                 self.cache.write(out[1:], self.past_len)
@@ -74,8 +77,31 @@ class OrtLM:
             return out[0] if out[0].ndim == 2 else out[0][:, -1]
 
         b = self.binding
-        for name, arr in (("input_ids", input_ids), ("attention_mask", attention_mask), ("position_ids", position_ids)):
-            b.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64))
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        shapes = tuple(a.shape for a in inputs.values())
+        if self.shared and shapes == self._bound_shapes:
+            # decode steps of a shared-cache graph keep every shape: refresh the bound host buffers in place
+            # (ORT reads them at run time) instead of re-binding ~4 x n_layer tensors per step
+            for name, arr in inputs.items():
+                self._inputs[name][...] = arr
+        else:
+            self._bind_step(inputs, S)
+            self._bound_shapes = shapes if self.shared else None
+        self.session.run_with_iobinding(b)
+        self.cache.after_step(self.past_len, S)
+        self.past_len += S
+        lp = self._logprobs
+        if lp is None:
+            return b.get_outputs()[0].numpy()[:, -1]
+        # on CUDA only this (B, V) tensor crosses to the host each step; the cache stays on the device
+        return lp if self.device == "cpu" else lp.numpy()
+
+    def _bind_step(self, inputs: dict[str, np.ndarray], S: int) -> None:
+        """Bind inputs (our own int64 buffers, by pointer), logprobs and the cache for a step of S tokens."""
+        b = self.binding
+        self._inputs = {name: np.array(arr, dtype=np.int64, order="C") for name, arr in inputs.items()}
+        for name, arr in self._inputs.items():
+            b.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
         # outputs come back in binding order: logprobs first, then the presents
         lp = self._logprobs
         if lp is None:  # head "all": (B, S, V) varies with S, let ORT allocate it
@@ -85,13 +111,6 @@ class OrtLM:
         else:
             b.bind_ortvalue_output("logprobs", lp)
         self.cache.bind(b, self.past_names, self.present_names, self.past_len, S)
-        self.session.run_with_iobinding(b)
-        self.cache.after_step(self.past_len, S)
-        self.past_len += S
-        if lp is None:
-            return b.get_outputs()[0].numpy()[:, -1]
-        # on CUDA only this (B, V) tensor crosses to the host each step; the cache stays on the device
-        return lp if self.device == "cpu" else lp.numpy()
 
     def present_pointers(self) -> list[int]:
         """Where ORT actually wrote the last step's presents (IO binding only)."""
