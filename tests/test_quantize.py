@@ -215,3 +215,26 @@ def test_parity_cli_thresholds(tiny_export, variants, tiny_checkpoint):
         main, ["parity", str(tiny_export), "-m", str(tiny_checkpoint), "--max-kl", "1e-6", "--min-greedy-match", "64"]
     )
     assert src.exit_code == 0, src.output
+
+
+def test_weight_shared_by_two_matmuls_is_packed_once():
+    """The exporter may deduplicate identical initializers; both readers must use one packed copy."""
+    from gpt2edge.quantize.weight_only import quantize_weights
+
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("MatMul", ["h", "W"], ["y"])]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", 1, [None, 64])],
+        [helper.make_tensor_value_info("y", 1, None)],
+        [numpy_helper.from_array(w, "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    q = quantize_weights(model, 8, 32, None, 0, accuracy_level=0)
+    names = [i.name for i in q.graph.initializer]
+    assert len(names) == len(set(names)) and "W.q8" in names
+    sess = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    ref = x @ w @ w
+    assert np.abs(sess.run(None, {"x": x})[0] - ref).max() < 0.02 * np.abs(ref).max()  # 8-bit, two matmuls

@@ -126,25 +126,31 @@ def quantize_weights(
     inits = {i.name: i for i in g.initializer}
 
     new_nodes, new_inits, dropped = [], [], set()
-    tables: dict[str, BlockQuantized] = {}  # embedding tables quantized once, read by head and Gather
+    tables: dict[str, BlockQuantized] = {}  # embedding tables (row-major (V, C)), read by head and Gather
+    packed: dict[str, BlockQuantized] = {}  # every quantized weight, by initializer name
     for n in g.node:
-        if n.op_type == "MatMul" and n.input[1] in inits and len(inits[n.input[1]].dims) == 2:
-            w = numpy_helper.to_array(inits[n.input[1]])  # (K, N)
+        weight = n.input[1] if len(n.input) > 1 else None
+        if weight in packed and n.op_type in ("MatMul", "Gemm"):
+            q = packed[weight]  # a weight the exporter shared between two nodes: packed once, read twice
+        elif n.op_type == "MatMul" and weight in inits and len(inits[weight].dims) == 2:
+            w = numpy_helper.to_array(inits[weight])  # (K, N)
             q = quantize_blockwise(w, bits, block_size, symmetric)
-        elif n.op_type == "Gemm" and n.input[1] in inits and head_bits is not None:
+        elif n.op_type == "Gemm" and weight in inits and head_bits is not None:
             attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
             if attrs.get("transB") != 1 or attrs.get("transA", 0) or len(n.input) > 2:
                 raise QuantizeError(f"Unexpected head Gemm {n.name} {attrs}; re-export with this gpt2edge.")
-            table = numpy_helper.to_array(inits[n.input[1]])  # (V, C): the head is x @ table.T
+            table = numpy_helper.to_array(inits[weight])  # (V, C): the head is x @ table.T
             block = embedding_block_size(table.shape[1], head_block_size)
-            q = tables.setdefault(n.input[1], quantize_blockwise(table.T, head_bits, block, symmetric))
+            q = tables[weight] = quantize_blockwise(table.T, head_bits, block, symmetric)
         else:
             new_nodes.append(n)
             continue
-        nodes, qi = _matmulnbits(n.name, n.input[0], n.input[1], q, n.output[0], accuracy_level)
+        nodes, qi = _matmulnbits(n.name, n.input[0], weight, q, n.output[0], accuracy_level)
         new_nodes += nodes
-        new_inits += qi
-        dropped.add(n.input[1])
+        if weight not in packed:
+            new_inits += qi
+            packed[weight] = q
+            dropped.add(weight)
 
     # embedding Gathers: the head's table is already packed; float tables read only by Gathers get 8-bit rows
     readers: dict[str, set[str]] = {}
