@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-
-HAS_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
-requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="needs the export extra (torch, transformers)")
 
 
 @pytest.fixture(scope="session")
