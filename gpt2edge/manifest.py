@@ -71,6 +71,12 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
+def graph_files(manifest: dict[str, Any]) -> list[str]:
+    """The files of the graph: the .onnx and, for graphs over 2 GB, its external data."""
+    graph = manifest["graph"]
+    return graph.get("files", [graph["file"]])
+
+
 def verify_files(folder: Path, manifest: dict[str, Any]) -> None:
     """Check every file listed in the manifest exists with the recorded size and sha256."""
     folder = Path(folder)

@@ -6,6 +6,18 @@ from pathlib import Path
 
 import numpy as np
 
+# protobuf cannot hold a message over 2 GiB; graphs past this keep their weights in external data
+EXTERNAL_DATA_THRESHOLD = 1_900_000_000
+
+
+def reader_ops(graph) -> dict[str, set[str]]:
+    """tensor name -> the op types of the nodes that read it."""
+    readers: dict[str, set[str]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(node.op_type)
+    return readers
+
 
 def decode_weight_bytes(path: Path) -> int:
     """Bytes of weights one decode step must read: every initializer once at its stored width, except
@@ -16,10 +28,7 @@ def decode_weight_bytes(path: Path) -> int:
     from onnx.helper import tensor_dtype_to_np_dtype
 
     model = onnx.load(str(path), load_external_data=False)
-    readers: dict[str, set[str]] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers.setdefault(name, set()).add(node.op_type)
+    readers = reader_ops(model.graph)
     total = 0
     for init in model.graph.initializer:
         if readers.get(init.name, set()) <= {"Gather"}:

@@ -37,12 +37,14 @@ class BenchConfig:
     repeat: int = 5
     seed: int = 0
 
-    def check(self, n_positions: int) -> None:
-        """Clear errors before anything is loaded or timed."""
+    def check_runs(self) -> None:
+        """Clear errors before anything is loaded or timed (the sweep chooses its own lengths)."""
         if self.repeat < 1:
             raise GenerationError(f"--repeat must be >= 1, got {self.repeat}.")
         if self.batch < 1:
             raise GenerationError(f"--batch must be >= 1, got {self.batch}.")
+
+    def check_lengths(self, n_positions: int) -> None:
         if self.prompt_len < 1 or self.new_tokens < 2:
             raise GenerationError("--prompt-len must be >= 1 and --new-tokens >= 2.")
         if self.prompt_len + self.new_tokens > n_positions:
@@ -55,10 +57,12 @@ class BenchConfig:
 class Workload:
     """A loaded model plus seeded prompts; `run()` is one timed generation."""
 
-    def __init__(self, model_dir: Path, cfg: BenchConfig):
+    def __init__(self, model_dir: Path, cfg: BenchConfig, fixed_lengths: bool = True):
         self.folder = ModelFolder.open(model_dir, verify=False)
         self.cfg = cfg
-        cfg.check(self.folder.dims["n_positions"])
+        cfg.check_runs()
+        if fixed_lengths:
+            cfg.check_lengths(self.folder.dims["n_positions"])
         self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
         self.lm = OrtLM(self.folder, device=cfg.device, threads=cfg.threads)
 
@@ -154,7 +158,7 @@ def sweep_contexts(n_positions: int, new_tokens: int) -> list[int]:
 
 def run_sweep(model_dir: Path, cfg: BenchConfig, new_tokens: int = 8, log=sys.stderr) -> list[dict[str, float]]:
     """Decode ms/token (median over `repeat` runs of `new_tokens`) at growing contexts."""
-    work = Workload(Path(model_dir), BenchConfig(**{**asdict(cfg), "prompt_len": 1, "new_tokens": 2}))
+    work = Workload(Path(model_dir), cfg, fixed_lengths=False)
     rows = []
     contexts = sweep_contexts(work.folder.dims["n_positions"], new_tokens)
     for context in tqdm(contexts, desc="sweep", unit="context", file=log, leave=False):

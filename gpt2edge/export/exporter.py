@@ -14,7 +14,7 @@ import gpt2edge
 from gpt2edge.errors import ExportError
 from gpt2edge.export.checkpoint import load_checkpoint
 from gpt2edge.export.model import HEAD_MODES, KV_CACHE_MODES, from_hf_model
-from gpt2edge.export.onnx_graph import DEFAULT_OPSET, SUPPORTED_OPSETS, export_graph, io_spec
+from gpt2edge.export.onnx_graph import DEFAULT_OPSET, check_opset, export_graph, io_spec
 from gpt2edge.export.validate import DEFAULT_ATOL, Check, checks_to_json, print_checks, raise_on_failure, validate
 from gpt2edge.folder import atomic_output_dir, check_output_dir
 from gpt2edge.manifest import write_manifest
@@ -68,10 +68,7 @@ def export_model(
     out = Path(out)
     if head not in HEAD_MODES:
         raise ExportError(f"Unknown head mode '{head}'; choose one of {', '.join(HEAD_MODES)}.")
-    if opset not in SUPPORTED_OPSETS:
-        raise ExportError(
-            f"Opset {opset} is not supported; choose {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}."
-        )
+    check_opset(opset)
     if kv_cache not in KV_CACHE_MODES:
         raise ExportError(f"Unknown KV cache mode '{kv_cache}'; choose one of {', '.join(KV_CACHE_MODES)}.")
     if not atol > 0:

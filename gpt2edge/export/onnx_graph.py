@@ -12,11 +12,10 @@ import torch
 
 from gpt2edge.errors import ExportError
 from gpt2edge.export.model import ExportableGPT2
+from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD
 
 SUPPORTED_OPSETS = range(18, 24)  # the dynamo exporter starts at 18; 23 is the newest ONNX Runtime runs here
 DEFAULT_OPSET = 18
-# protobuf cannot hold a message over 2 GiB; keep a margin for the graph itself
-EXTERNAL_DATA_THRESHOLD = 1_900_000_000
 
 
 def io_names(n_layer: int) -> tuple[list[str], list[str]]:
@@ -58,12 +57,16 @@ def _example_inputs(model: ExportableGPT2) -> tuple:
     return ids, mask, pos, *past
 
 
-def export_graph(model: ExportableGPT2, path: Path, opset: int = DEFAULT_OPSET) -> list[str]:
-    """Write the graph to `path`; returns the files written (the .onnx and, for big models, its data file)."""
+def check_opset(opset: int) -> None:
     if opset not in SUPPORTED_OPSETS:
         raise ExportError(
             f"Opset {opset} is not supported; choose {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}."
         )
+
+
+def export_graph(model: ExportableGPT2, path: Path, opset: int = DEFAULT_OPSET) -> list[str]:
+    """Write the graph to `path`; returns the files written (the .onnx and, for big models, its data file)."""
+    check_opset(opset)
     inputs, outputs = io_names(model.dims.n_layer)
     seq_axes = {0: "batch", 1: "seq"}
     past_axes = {0: "batch", 2: "past_seq"}

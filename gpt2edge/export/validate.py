@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from gpt2edge.errors import ValidationError
+from gpt2edge.runtime.generate import position_ids_from_mask  # the runtime's own rule, so both agree
 
 DEFAULT_ATOL = 1e-4
 
@@ -46,12 +47,6 @@ def hf_step(hf_model, ids, mask, pos, past: list[torch.Tensor] | None):
     for layer in out_cache.layers:
         presents += [layer.keys, layer.values]
     return torch.log_softmax(out.logits.float(), dim=-1), presents
-
-
-def position_ids_from_mask(mask: np.ndarray, seq: int) -> np.ndarray:
-    """Left padding: each row counts its own tokens, pads get 0. Returns the last `seq` columns."""
-    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    return pos[:, -seq:].astype(np.int64)
 
 
 def fixed_inputs(vocab_size: int, n_positions: int, seed: int = 0):

@@ -18,7 +18,7 @@ from tqdm import tqdm
 import gpt2edge
 from gpt2edge.errors import QuantizeError
 from gpt2edge.folder import atomic_output_dir, check_output_dir
-from gpt2edge.manifest import read_manifest, verify_files, write_manifest
+from gpt2edge.manifest import graph_files, read_manifest, verify_files, write_manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
 
 # bits of the widest tensor each precision stores; a variant can only be made from a wider parent
@@ -147,7 +147,7 @@ def quantize_model(
             files = save_model(variant, tmp / graph["file"])
             del variant
             for name in parent["files"]:
-                if name not in graph.get("files", [graph["file"]]):
+                if name not in graph_files(parent):
                     shutil.copy2(src / name, tmp / name)  # tokenizer and configs, unchanged
             bar.update()
             manifest = write_manifest(tmp, _variant_manifest(parent, src, recipe, files, tmp))
@@ -173,7 +173,7 @@ def _variant_manifest(parent: dict, src: Path, recipe: Recipe, files: list[str],
         graph[io] = [
             {**t, "dtype": kv} if t["name"].startswith(("past_key_values.", "present.")) else t for t in graph[io]
         ]
-    parent_files = parent["graph"].get("files", [parent["graph"]["file"]])
+    parent_files = graph_files(parent)
     before = sum(parent["files"][f]["size"] for f in parent_files)
     after = sum((tmp / f).stat().st_size for f in files)
     manifest = {k: v for k, v in parent.items() if k not in ("files", "validation", "format", "format_version")}

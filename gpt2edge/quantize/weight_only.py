@@ -12,6 +12,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from gpt2edge.errors import QuantizeError
+from gpt2edge.onnx_stats import reader_ops
 from gpt2edge.quantize.primitives import BlockQuantized, quantize_blockwise, unpack_codes
 
 MS_DOMAIN = "com.microsoft"
@@ -153,10 +154,7 @@ def quantize_weights(
             dropped.add(weight)
 
     # embedding Gathers: the head's table is already packed; float tables read only by Gathers get 8-bit rows
-    readers: dict[str, set[str]] = {}
-    for n in g.node:
-        for i in n.input:
-            readers.setdefault(i, set()).add(n.op_type)
+    readers = reader_ops(g)
     final_nodes = []
     for n in new_nodes:
         table = n.input[0] if n.op_type == "Gather" and _axis(n) == 0 else None

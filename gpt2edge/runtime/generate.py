@@ -50,10 +50,15 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, total: int) -> tuple
     return ids, mask
 
 
+def position_ids_from_mask(mask: np.ndarray, seq: int) -> np.ndarray:
+    """Left padding: each row counts its own tokens, pads get 0. Returns the last `seq` columns."""
+    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    return pos[:, -seq:].astype(np.int64)
+
+
 def prefill(lm: OrtLM, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Run the whole (left-padded) prompt with an empty past; returns next-token log-probs (B, V)."""
-    positions = np.clip(np.cumsum(mask, 1) - 1, 0, None)  # pads get 0, each row counts its own tokens
-    return lm.forward(ids, mask, positions)
+    return lm.forward(ids, mask, position_ids_from_mask(mask, ids.shape[1]))
 
 
 def decode_one_token(lm: OrtLM, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import ModelFolderError
-from gpt2edge.manifest import read_manifest, verify_files
+from gpt2edge.manifest import graph_files, read_manifest, verify_files
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -67,5 +67,4 @@ class ModelFolder:
 
     def model_bytes(self) -> int:
         """Bytes of the graph files (the .onnx and its external data), as listed in the manifest."""
-        files = self.manifest["files"]
-        return sum(files[f]["size"] for f in self.manifest["graph"].get("files", [self.manifest["graph"]["file"]]))
+        return sum(self.manifest["files"][f]["size"] for f in graph_files(self.manifest))
