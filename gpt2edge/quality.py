@@ -35,7 +35,7 @@ def stream_tokens(tokenizer: TextTokenizer, text: str | None, n_positions: int, 
 
 def stream_logprobs(lm: OrtLM, tokens: Sequence[int]) -> np.ndarray:
     """(T, V) log-probs of the token after each position, one cached step per token."""
-    lm.start(1, len(tokens), max_step=1)
+    lm.start(1, len(tokens))
     out = np.empty((len(tokens), lm.vocab_size), dtype=np.float32)
     mask = np.ones((1, len(tokens)), dtype=np.int64)
     for t, tok in enumerate(tokens):

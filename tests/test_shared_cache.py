@@ -1,13 +1,17 @@
-"""The shared (in-place) KV cache graph: same results as the concat graph, and no step copies the cache."""
+"""The shared (in-place) KV cache graph: same results as the concat graph, one fused attention node per layer,
+and the cache is one buffer that ONNX Runtime writes in place (never copied, never reallocated)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
 
-from gpt2edge.errors import DeviceError
+from gpt2edge.errors import DeviceError, ModelFolderError, QuantizeError
 from gpt2edge.export.validate import hf_step, position_ids_from_mask
 from gpt2edge.manifest import read_manifest
 from gpt2edge.quantize import make_recipe, quantize_model
@@ -20,12 +24,21 @@ def test_manifest_and_validation(tiny_export_shared):
     m = read_manifest(tiny_export_shared)
     assert m["graph"]["kv_cache"] == "shared"
     assert all(c["ok"] for c in m["validation"]["checks"]) and len(m["validation"]["checks"]) == 4
+    assert m["graph"]["attention"] == "com.microsoft.GroupQueryAttention"
     present = next(o for o in m["graph"]["outputs"] if o["name"] == "present.0.key")
-    assert present["shape"][2] == "seq"
+    assert present["shape"][2] == "max(past_seq, total_seq)"
 
 
-def test_graph_reads_a_larger_masked_cache(tiny_export_shared, hf_model):
-    """Decode on PyTorch's cache placed in a bigger buffer with garbage-free spare slots masked out."""
+def test_one_fused_attention_node_per_layer_and_no_cache_concat(tiny_export_shared):
+    graph = onnx.load(str(tiny_export_shared / "model.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    n_layer = read_manifest(tiny_export_shared)["dims"]["n_layer"]
+    assert ops.count("GroupQueryAttention") == n_layer
+    assert "Concat" not in ops and "Softmax" not in ops  # attention lives inside the fused node
+
+
+def test_graph_writes_into_a_larger_cache_buffer(tiny_export_shared, hf_model):
+    """Decode on PyTorch's cache placed at the start of a bigger buffer whose spare slots hold garbage."""
     cfg = hf_model.config
     H, D = cfg.n_head, cfg.n_embd // cfg.n_head
     sess = ort.InferenceSession(str(tiny_export_shared / "model.onnx"), providers=["CPUExecutionProvider"])
@@ -34,15 +47,13 @@ def test_graph_reads_a_larger_masked_cache(tiny_export_shared, hf_model):
     _, past = hf_step(hf_model, *map(torch.from_numpy, (ids, mask, position_ids_from_mask(mask, 6))), None)
     cap = 20
     buffers = [np.concatenate([p.numpy(), np.full((1, H, cap - 6, D), 7.0, np.float32)], 2) for p in past]
-    graph_mask = np.concatenate([mask, np.zeros((1, cap - 6), np.int64), np.ones((1, 1), np.int64)], 1)
-    nxt = np.array([[3]], np.int64)
+    nxt, mask2 = np.array([[3]], np.int64), np.ones((1, 7), np.int64)
     names = [i.name for i in sess.get_inputs()]
-    out = sess.run(None, dict(zip(names, [nxt, graph_mask, np.array([[6]]), *buffers])))
-    mask2 = np.ones((1, 7), np.int64)
+    out = sess.run(None, dict(zip(names, [nxt, mask2, np.array([[6]]), *buffers])))
     ref_lp, ref_present = hf_step(hf_model, torch.from_numpy(nxt), torch.from_numpy(mask2), torch.tensor([[6]]), past)
     assert np.abs(out[0] - ref_lp[:, -1].numpy()).max() < ATOL
-    assert out[1].shape == (1, H, 1, D)
-    assert np.abs(out[1] - ref_present[0][:, :, -1:].numpy()).max() < ATOL
+    assert out[1].shape == (1, H, cap, D)  # the buffer, with slot 6 written
+    assert np.abs(out[1][:, :, :7] - ref_present[0].numpy()).max() < ATOL
 
 
 def test_same_tokens_as_concat_graph(tiny_export, tiny_export_shared):
@@ -66,7 +77,7 @@ def test_cache_is_allocated_once_and_never_rebound(tiny_export_shared):
     )
     storage = cache._storage.ctypes.data
     assert cache.allocations == 1 and len(addresses) == 20
-    assert all(set(a) <= cache.pointers() for a in addresses)  # new entries land in the scratch buffer
+    assert all(set(a) == cache.pointers() for a in addresses)  # ORT wrote into the cache itself, every step
     g.generate("The river", max_new_tokens=20, ignore_eos=True)
     assert cache.allocations == 1 and cache._storage.ctypes.data == storage
 
@@ -76,6 +87,36 @@ def test_quantized_shared_variant_runs(tiny_export_shared, tmp_path):
     m = read_manifest(tmp_path / "q")
     assert m["graph"]["kv_cache"] == "shared" and m["quality"]["top1_agreement"] >= 0.5
     assert len(Generator(tmp_path / "q").generate("The", max_new_tokens=6, ignore_eos=True).token_ids) == 6
+
+
+def test_cache_holds_the_sequence_after_generation(tiny_export_shared, hf_model):
+    """What ORT wrote in place is PyTorch's cache of the whole sequence (prompt + generated tokens)."""
+    g = Generator(tiny_export_shared)
+    r = g.generate("The river", max_new_tokens=5, ignore_eos=True)
+    ids = torch.tensor([r.prompt_token_ids + r.token_ids[:-1]])  # the last token was sampled, never fed back
+    T = ids.shape[1]
+    _, ref = hf_step(hf_model, ids, torch.ones_like(ids), torch.arange(T)[None], None)
+    cache = g.lm.cache._storage  # (2 * n_layer, B, nh, capacity, hs)
+    worst = max(float(np.abs(cache[i][:, :, :T] - p.numpy()).max()) for i, p in enumerate(ref))
+    assert worst < ATOL, f"cache maxdiff {worst:.2e}"
+
+
+def test_older_shared_export_is_refused(tiny_export_shared, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny_export_shared, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["graph"]["attention"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelFolderError, match="export it again"):
+        Generator(old, verify=False)
+
+
+def test_fp16_of_shared_export_is_refused_before_any_work(tiny_export_shared, tmp_path):
+    with pytest.raises(QuantizeError, match="concat export"):
+        quantize_model(tiny_export_shared, tmp_path / "h", make_recipe("fp16"))
+    assert not (tmp_path / "h").exists()
 
 
 def test_shared_graph_refuses_cuda(tiny_export_shared):

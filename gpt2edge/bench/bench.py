@@ -112,10 +112,10 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, An
 
     itemsize = np.dtype(work.folder.kv_dtype).itemsize
     weights = work.folder.manifest["graph"].get("decode_weight_bytes") or work.folder.model_bytes()
-    if work.lm.shared:  # the graph reads the whole cache once (its capacity), copies nothing
-        kv_read = kv_bytes_per_step(dims, cfg.batch, cfg.prompt_len + cfg.new_tokens - 1, itemsize)
-    else:  # Concat reads the past, attention reads the present: twice the mean context
-        kv_read = 2 * kv_bytes_per_step(dims, cfg.batch, cfg.prompt_len + (cfg.new_tokens - 1) / 2, itemsize)
+    mean_context = cfg.prompt_len + (cfg.new_tokens - 1) / 2
+    # shared: the fused attention reads the valid slots once, in place; concat: Concat reads the past and
+    # attention reads the present, twice the mean context
+    kv_read = (1 if work.lm.shared else 2) * kv_bytes_per_step(dims, cfg.batch, mean_context, itemsize)
     step_bytes = weights + kv_read
     decode_median = float(np.median(decode))
     floor_ms = step_bytes / (bandwidth * 1e9) * 1e3

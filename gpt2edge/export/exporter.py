@@ -13,7 +13,7 @@ from tqdm import tqdm
 import gpt2edge
 from gpt2edge.errors import ExportError
 from gpt2edge.export.checkpoint import load_checkpoint
-from gpt2edge.export.model import HEAD_MODES, KV_CACHE_MODES, from_hf_model
+from gpt2edge.export.model import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, from_hf_model
 from gpt2edge.export.onnx_graph import DEFAULT_OPSET, check_opset, export_graph, io_spec
 from gpt2edge.export.validate import DEFAULT_ATOL, Check, checks_to_json, print_checks, raise_on_failure, validate
 from gpt2edge.folder import atomic_output_dir, check_output_dir
@@ -115,6 +115,7 @@ def export_model(
                         "opset": opset,
                         "head": head,
                         "kv_cache": kv_cache,
+                        "attention": ATTENTION_OPS[kv_cache],
                         "precision": "fp32",
                         "kv_dtype": "float32",
                         "tied_lm_head": model.lm_head is None,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt2edge.errors import CheckpointError
+from gpt2edge.export.fused_ops import attention_lengths, bias_gelu, fused_attention, skip_layer_norm
 
 # Activations GPT-2 configs use, mapped to the torch function that reproduces transformers' ACT2FN.
 _ACTIVATIONS = {
@@ -27,12 +28,17 @@ _ACTIVATIONS = {
     "swish": F.silu,
 }
 
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
 HEAD_MODES = ("last", "all")
 # concat: past (B, nh, P, hs) in, present = past + new (B, nh, P+S, hs) out (Optimum's contract).
-# shared: past is the whole pre-allocated cache (B, nh, capacity, hs), slots marked valid by the attention
-#         mask; the graph returns only the new entries (B, nh, S, hs), which the runtime writes into the
-#         cache in place. No step copies the cache (the CPU fast path).
+# shared: past is a pre-allocated buffer (B, nh, capacity, hs) holding the past in its first slots; one
+#         fused ONNX Runtime op per layer writes the new entries into it and attends over the valid slots, and
+#         present is that buffer (the runtime binds both names to the same memory): nothing copies the cache.
+#         The whole block is built from ONNX Runtime's fused ops (fused_ops.py): an ONNX Runtime-only graph.
 KV_CACHE_MODES = ("concat", "shared")
+# what computes attention in each graph kind (the manifest records it; the runtime checks it)
+ATTENTION_OPS = {"concat": "onnx", "shared": "com.microsoft.GroupQueryAttention"}
 
 
 @dataclass(frozen=True)
@@ -105,30 +111,21 @@ class Attention(nn.Module):
             scale /= float(layer_idx + 1)
         self.scale = scale
 
-    def forward(self, x, past_k, past_v, allowed, shared: bool):
+    def forward(self, x, past_k, past_v, allowed):
         B, S, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, S, C) -> (B, nh, S, hs)
         q = q.view(B, S, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, S, self.n_head, self.head_dim).transpose(1, 2)
         v = v.view(B, S, self.n_head, self.head_dim).transpose(1, 2)
-        if shared:
-            # scores against the cache slots and against the new tokens, side by side: (B, nh, S, cap+S);
-            # the cache is read once by each matmul and never copied
-            att = torch.cat([torch.matmul(q, past_k.transpose(-1, -2)), torch.matmul(q, k.transpose(-1, -2))], -1)
-            att = torch.where(allowed, att * self.scale, torch.finfo(att.dtype).min)
-            att = torch.softmax(att, dim=-1)
-            cap = past_k.shape[2]
-            y = torch.matmul(att[..., :cap], past_v) + torch.matmul(att[..., cap:], v)  # (B, nh, S, hs)
-        else:
-            # the cache grows along the sequence axis: (B, nh, P, hs) + (B, nh, S, hs) -> (B, nh, P+S, hs)
-            k = torch.cat([past_k, k], dim=2)
-            v = torch.cat([past_v, v], dim=2)
-            att = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # (B, nh, S, P+S)
-            # a finite floor, not -inf: a fully masked row (a padded query) gives a uniform softmax, not NaN
-            att = torch.where(allowed, att, torch.finfo(att.dtype).min)
-            att = torch.softmax(att, dim=-1)
-            y = torch.matmul(att, v)  # (B, nh, S, hs)
+        # the cache grows along the sequence axis: (B, nh, P, hs) + (B, nh, S, hs) -> (B, nh, P+S, hs)
+        k = torch.cat([past_k, k], dim=2)
+        v = torch.cat([past_v, v], dim=2)
+        att = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # (B, nh, S, P+S)
+        # a finite floor, not -inf: a fully masked row (a padded query) gives a uniform softmax, not NaN
+        att = torch.where(allowed, att, torch.finfo(att.dtype).min)
+        att = torch.softmax(att, dim=-1)
+        y = torch.matmul(att, v)  # (B, nh, S, hs)
         y = y.transpose(1, 2).reshape(B, S, C)
         return self.c_proj(y), k, v
 
@@ -152,8 +149,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(dims.n_embd, eps=dims.layer_norm_epsilon)
         self.mlp = MLP(dims)
 
-    def forward(self, x, past_k, past_v, allowed, shared: bool):
-        a, k, v = self.attn(self.ln_1(x), past_k, past_v, allowed, shared)
+    def forward(self, x, past_k, past_v, allowed):
+        a, k, v = self.attn(self.ln_1(x), past_k, past_v, allowed)
         x = x + a
         x = x + self.mlp(self.ln_2(x))
         return x, k, v
@@ -181,23 +178,52 @@ class ExportableGPT2(nn.Module):
         B, S = input_ids.shape
         T = attention_mask.shape[1]  # past (or cache capacity) + current length
         x = self.wte(input_ids) + self.wpe(position_ids)  # (B, S, C)
-        # query i sits at absolute slot T-S+i and may look at key slots j <= T-S+i that are not padding;
-        # in shared mode slots 0..cap-1 are the cache (all before the new tokens), valid where the mask says
+        # query i sits at absolute slot T-S+i and may look at key slots j <= T-S+i that are not padding
         key_slot = torch.arange(T, device=x.device)
         query_slot = torch.arange(S, device=x.device) + (T - S)
         causal = key_slot.unsqueeze(0) <= query_slot.unsqueeze(1)  # (S, T)
         allowed = causal.unsqueeze(0).unsqueeze(0) & attention_mask.bool().unsqueeze(1).unsqueeze(2)  # (B,1,S,T)
-        shared = self.kv_cache == "shared"
-        presents = []
-        for i, block in enumerate(self.h):
-            x, k, v = block(x, past[2 * i], past[2 * i + 1], allowed, shared)
-            presents += [k, v]
+        if self.kv_cache == "shared":
+            x, presents = self._fused_blocks(x, past, allowed)
+        else:
+            presents = []
+            for i, block in enumerate(self.h):
+                x, k, v = block(x, past[2 * i], past[2 * i + 1], allowed)
+                presents += [k, v]
         if self.head == "last":
             x = x[:, -1, :]  # (B, C): generation needs the next-token distribution only
         x = self.ln_f(x)
         head_weight = self.wte.weight if self.lm_head is None else self.lm_head
         logits = F.linear(x, head_weight)  # (B, V) or (B, S, V)
         return (torch.log_softmax(logits.float(), dim=-1), *presents)
+
+    def _fused_blocks(self, x, past, allowed):
+        """The blocks as ONNX Runtime's fused ops (fused_ops.py): same maths, ~8 nodes per layer, and the
+        attention writes the cache in place. Each residual add is fused with the LayerNorm that follows it."""
+        eps = self.dims.layer_norm_epsilon
+        floor = torch.finfo(x.dtype).min / 2  # finite after adding a score: a padded query gets no NaN
+        bias = torch.where(allowed, 0.0, floor).to(x.dtype)  # (B, 1, S, T) additive mask, shared by every layer
+        last_slot, total = attention_lengths(bias)
+        tanh = self.dims.activation in _TANH_GELUS
+        h, presents = self.h[0].ln_1(x), []
+        for i, block in enumerate(self.h):
+            attn, mlp = block.attn, block.mlp
+            past_k, past_v = past[2 * i], past[2 * i + 1]
+            y, k, v = fused_attention(attn.c_attn(h), past_k, past_v, bias, last_slot, total, attn.n_head, attn.scale)
+            presents += [k, v]
+            # x = x + attention output; h = ln_2(x)
+            h, x = skip_layer_norm(y @ attn.c_proj.weight, x, attn.c_proj.bias, block.ln_2.weight, block.ln_2.bias, eps)
+            if self.dims.activation in _TANH_GELUS or self.dims.activation == "gelu":
+                a = bias_gelu(h @ mlp.c_fc.weight, mlp.c_fc.bias, tanh)  # (B, S, n_inner)
+            else:
+                a = mlp.act(mlp.c_fc(h))
+            m = a @ mlp.c_proj.weight
+            if i + 1 < len(self.h):  # x = x + MLP output; h = the next block's ln_1(x)
+                nxt = self.h[i + 1].ln_1
+                h, x = skip_layer_norm(m, x, mlp.c_proj.bias, nxt.weight, nxt.bias, eps)
+            else:
+                x = x + m + mlp.c_proj.bias
+        return x, presents
 
 
 def from_hf_model(hf_model, head: str = "last", kv_cache: str = "concat") -> ExportableGPT2:

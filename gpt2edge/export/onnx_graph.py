@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from gpt2edge.errors import ExportError
+from gpt2edge.export.fused_ops import onnx_translation
 from gpt2edge.export.model import ExportableGPT2
 from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD
 
@@ -28,8 +29,14 @@ def io_names(n_layer: int) -> tuple[list[str], list[str]]:
 def io_spec(model: ExportableGPT2) -> dict[str, list[dict]]:
     """Names, dtypes and symbolic shapes of every input and output, for the manifest."""
     d = model.dims
-    kv = ["batch", d.n_head, "past_seq", d.head_dim]  # shared: past_seq is the cache capacity
-    present = ["batch", d.n_head, "past_seq + seq" if model.kv_cache == "concat" else "seq", d.head_dim]
+    kv = ["batch", d.n_head, "past_seq", d.head_dim]  # shared: past_seq is the buffer's capacity
+    # shared: present is the past buffer with the new slots written (bound to the same memory)
+    present = [
+        "batch",
+        d.n_head,
+        "past_seq + seq" if model.kv_cache == "concat" else "max(past_seq, total_seq)",
+        d.head_dim,
+    ]
     logprobs = ["batch", d.vocab_size] if model.head == "last" else ["batch", "seq", d.vocab_size]
     inputs, outputs = io_names(d.n_layer)
     return {
@@ -80,6 +87,8 @@ def export_graph(model: ExportableGPT2, path: Path, opset: int = DEFAULT_OPSET) 
             warnings.simplefilter("ignore")
             # torch logs a warning per torchvision op it cannot register; irrelevant here
             logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+            # the shared cache's attention is a custom op that becomes ONNX Runtime's fused attention node
+            translation = onnx_translation() if model.kv_cache == "shared" else None
             program = torch.onnx.export(
                 model,
                 _example_inputs(model),
@@ -88,6 +97,7 @@ def export_graph(model: ExportableGPT2, path: Path, opset: int = DEFAULT_OPSET) 
                 dynamic_shapes=dynamic_shapes,
                 opset_version=opset,
                 dynamo=True,
+                custom_translation_table=translation,
                 verbose=False,
             )
             program.save(str(path), external_data=external)

@@ -120,6 +120,11 @@ def quantize_model(
         )
     if parent["graph"].get("head", "last") != "last":
         raise QuantizeError(f"{src} is a --head all (scoring) export; quantize a generation export (--head last).")
+    if recipe.mode == "fp16" and parent["graph"].get("kv_cache") == "shared":
+        raise QuantizeError(
+            f"{src} is a shared-cache export (the CPU fast path); fp16 would put casts around its in-place cache. "
+            "Make fp16 from a --kv-cache concat export, or use int8/int4 here."
+        )
     check_output_dir(out, force)
     verify_files(src, parent)
 

@@ -156,7 +156,7 @@ def iter_generate(lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, p
     rng = np.random.default_rng(params.seed)
     ids, mask = left_pad(prompts, pad_id, total)
     # the last sampled token is never fed back, so the cache needs total - 1 positions
-    lm.start(B, total - 1, max_step=S)
+    lm.start(B, total - 1)
     try:
         t0 = time.perf_counter()
         logprobs = prefill(lm, ids, mask[:, :S])

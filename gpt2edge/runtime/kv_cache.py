@@ -8,9 +8,9 @@ concat (Optimum's contract): the graph reads past (B, nh, P, hs) and writes pres
   contiguous (B, nh, T, hs) tensor for every T, so no step allocates cache memory, and on CUDA the cache
   never leaves the device. The graph itself still copies the cache once per step (its Concat).
 
-shared (the CPU fast path): the graph reads the whole cache (B, nh, capacity, hs), masked to the valid slots,
-  and returns only the new entries (B, nh, S, hs) into a small scratch buffer; the runtime writes those into
-  the cache at their positions. Nothing copies the cache: a decode step moves a few KB besides reading it.
+shared (the CPU fast path): one buffer (B, nh, capacity, hs) per key and value, bound as both the past and
+  the present of the graph; its fused attention writes the step's entries into their slots and reads the
+  valid ones. Nothing copies the cache: a decode step reads it once, up to the current length.
 """
 
 from __future__ import annotations
@@ -42,12 +42,11 @@ class KVCache:
         self.capacity = 0  # sequence slots per buffer
         self.allocations = 0  # how many times memory was reserved (tests check it stays 1 per generation)
         self.src = 0  # which of the two slots holds the current past
-        self.max_step = 0  # most new positions one step may add (shared layout's scratch size)
         self._storage = None  # numpy array (CPU) or OrtValue (CUDA), shape (2, n_tensors, elems)
         self._base = 0
         self._elems = 0
 
-    def reserve(self, batch: int, length: int, max_step: int) -> None:
+    def reserve(self, batch: int, length: int) -> None:
         """Make room for `batch` rows of `length` positions; reuses the buffers when they are big enough."""
         elems = batch * self.n_head * length * self.head_dim
         if self._storage is None or batch != self.batch or length > self.capacity:
@@ -75,10 +74,6 @@ class KVCache:
                 present, self.device, 0, self.dtype.type, self.shape(past_len + new_len), self.pointer(dst, i)
             )
 
-    def graph_mask(self, mask: np.ndarray, past_len: int) -> np.ndarray:
-        """The attention mask the graph takes: for concat graphs, the mask as it is (B, past + new)."""
-        return mask
-
     def after_step(self, past_len: int, new_len: int) -> None:
         """After a step the present slot becomes the next step's past."""
         self.src = 1 - self.src
@@ -89,52 +84,37 @@ class KVCache:
 
 
 class SharedKVCache(KVCache):
-    """One cache the graph reads whole and never copies, plus a scratch buffer for each step's new entries."""
+    """One buffer per key/value tensor, bound as both past and present: the graph writes it in place."""
 
-    def reserve(self, batch: int, length: int, max_step: int) -> None:
-        if self._storage is None or batch != self.batch or length > self.capacity or max_step > self.max_step:
+    def reserve(self, batch: int, length: int) -> None:
+        if self._storage is None or batch != self.batch or length > self.capacity:
             if self.device != "cpu":
-                raise ValueError("the shared KV cache is written by NumPy: CPU only")
-            # zeroed once: masked slots get softmax weight 0, and 0 * NaN would still be NaN
+                raise ValueError("the shared KV cache is the CPU fast path")
+            # zeroed once so that no slot ever holds NaN bits; the graph reads only the slots it has written
             self._storage = np.zeros((self.n_tensors, batch, self.n_head, length, self.head_dim), self.dtype)
-            self._scratch = np.empty((self.n_tensors, batch * self.n_head * max_step * self.head_dim), self.dtype)
-            self.batch, self.capacity, self.max_step = batch, length, max_step
+            self.batch, self.capacity = batch, length
             self.allocations += 1
 
-    def visible(self, past_len: int) -> int:
-        """Cache slots the graph reads: all of them, except at prefill, when none is valid yet."""
-        return self.capacity if past_len else 0
-
     def bind(self, binding, past_names: list[str], present_names: list[str], past_len: int, new_len: int) -> None:
-        """Past = the whole cache (B, nh, capacity, hs); present = the step's new entries, into scratch."""
-        if past_len + new_len > self.capacity or new_len > self.max_step:
+        """Past and present = the same (B, nh, capacity, hs) buffer; the graph's attention writes slots
+        past_len .. past_len+new_len-1 and reads up to there."""
+        if past_len + new_len > self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} positions, step needs {past_len + new_len}")
-        t, shape = self.dtype.type, self.shape(self.visible(past_len))
+        t, shape = self.dtype.type, self.shape(self.capacity)
         for i, (past, present) in enumerate(zip(past_names, present_names)):
             binding.bind_input(past, "cpu", 0, t, shape, self._storage[i].ctypes.data)
-            binding.bind_output(present, "cpu", 0, t, self.shape(new_len), self._scratch[i].ctypes.data)
-
-    def graph_mask(self, mask: np.ndarray, past_len: int) -> np.ndarray:
-        """(B, past + new) logical mask -> (B, visible + new): cache slots past `past_len` are not valid yet."""
-        B, new, visible = mask.shape[0], mask.shape[1] - past_len, self.visible(past_len)
-        out = np.zeros((B, visible + new), dtype=np.int64)
-        out[:, :past_len] = mask[:, :past_len]
-        out[:, visible:] = mask[:, past_len:]
-        return out
+            binding.bind_output(present, "cpu", 0, t, shape, self._storage[i].ctypes.data)
 
     def after_step(self, past_len: int, new_len: int) -> None:
-        """Write the new entries into their slots: one strided copy of (n_tensors, B, nh, S, hs) elements."""
-        n = self.batch * self.n_head * new_len * self.head_dim
-        new = self._scratch[:, :n].reshape(self.n_tensors, self.batch, self.n_head, new_len, self.head_dim)
-        self._storage[:, :, :, past_len : past_len + new_len] = new
+        """Nothing to do: the graph has already written the new entries into the cache."""
 
-    def write(self, new: list[np.ndarray], past_len: int) -> None:
-        """Without IO binding: put the graph's new entries (each (B, nh, S, hs)) into their slots."""
-        self._storage[:, :, :, past_len : past_len + new[0].shape[2]] = np.stack(new)
+    def write(self, presents: list[np.ndarray], past_len: int) -> None:
+        """Without IO binding the graph returns a copy of each buffer with the new slots written."""
+        self._storage[...] = np.stack(presents)
 
     def tensors(self, past_len: int) -> list[np.ndarray]:
         """The cache as graph inputs, without IO binding."""
-        return list(self._storage[:, :, :, : self.visible(past_len)])
+        return list(self._storage)
 
     def pointers(self) -> set[int]:
-        return {self._scratch[i].ctypes.data for i in range(self.n_tensors)}
+        return {self._storage[i].ctypes.data for i in range(self.n_tensors)}

@@ -5,10 +5,14 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from gpt2edge.errors import DeviceError
+from gpt2edge.errors import DeviceError, ModelFolderError
 from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.session import ORT_DEVICE, create_session
+
+# the op that updates a shared cache in place (the manifest's graph.attention); the runtime cannot import
+# the export package, so the name is repeated here
+SHARED_ATTENTION = "com.microsoft.GroupQueryAttention"
 
 
 class OrtLM:
@@ -20,11 +24,17 @@ class OrtLM:
         self.folder = folder
         self.device = device
         self.io_binding = io_binding
-        self.shared = folder.manifest["graph"].get("kv_cache", "concat") == "shared"
+        graph = folder.manifest["graph"]
+        self.shared = graph.get("kv_cache", "concat") == "shared"
+        if self.shared and graph.get("attention") != SHARED_ATTENTION:
+            raise ModelFolderError(
+                f"{folder.path} is a shared-cache export from an older gpt2edge (its graph returns only the new "
+                "cache entries); export it again with --kv-cache shared."
+            )
         if self.shared and device != "cpu":
             raise DeviceError(
-                f"{folder.path} uses the shared KV cache (the CPU fast path); for {device} export with "
-                "--kv-cache concat."
+                f"{folder.path} uses the shared KV cache (the CPU fast path, tested on CPU only); for {device} "
+                "export with --kv-cache concat."
             )
         self.session = create_session(folder.graph_path, device=device, threads=threads)
         d = folder.dims
@@ -40,16 +50,18 @@ class OrtLM:
         self.past_len = 0
         self._presents: list[np.ndarray] = []  # only without IO binding
         self._logprobs = None  # pre-bound output buffer (head "last")
-        self._inputs: dict[str, np.ndarray] = {}  # the int64 buffers bound as inputs
-        self._bound_shapes = None  # input shapes of the current binding (shared-cache graphs reuse it)
+        self._inputs: dict[str, np.ndarray] = {}  # the int64 buffers bound as ids and positions
+        self._mask = np.empty(0, dtype=np.int64)  # flat buffer the attention mask is bound from
+        self._bound_seq = 0  # new positions per step of the current binding (shared-cache graphs reuse it)
 
-    def start(self, batch: int, length: int, max_step: int | None = None) -> None:
-        """Prepare for a generation of `batch` rows, at most `length` positions, steps of at most `max_step`
-        new positions (the prompt): one allocation."""
+    def start(self, batch: int, length: int) -> None:
+        """Prepare for a generation of `batch` rows and at most `length` positions: one allocation."""
         self.past_len = 0
-        self._bound_shapes = None  # new buffers below: bind afresh
+        self._bound_seq = 0  # new buffers below: bind afresh
         if self.io_binding or self.shared:
-            self.cache.reserve(batch, length, max_step or length)
+            self.cache.reserve(batch, length)
+        if self.io_binding and self._mask.size < batch * length:
+            self._mask = np.empty(batch * length, dtype=np.int64)
         if self.io_binding:
             if self.folder.head == "last":
                 shape = (batch, self.vocab_size)
@@ -64,7 +76,6 @@ class OrtLM:
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """(B, S) ids, (B, past+S) mask, (B, S) positions -> (B, V) float32 log-probs of the next token."""
         S = input_ids.shape[1]
-        attention_mask = self.cache.graph_mask(attention_mask, self.past_len)
         if not self.io_binding:
             feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
             feed.update(zip(self.past_names, self.cache.tensors(self.past_len) if self.shared else self._presents))
@@ -77,16 +88,16 @@ class OrtLM:
             return out[0] if out[0].ndim == 2 else out[0][:, -1]
 
         b = self.binding
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        shapes = tuple(a.shape for a in inputs.values())
-        if self.shared and shapes == self._bound_shapes:
-            # decode steps of a shared-cache graph keep every shape: refresh the bound host buffers in place
+        inputs = {"input_ids": input_ids, "position_ids": position_ids}
+        if self.shared and S == self._bound_seq:
+            # decode steps of a shared-cache graph bind the same buffers: refresh ids and positions in place
             # (ORT reads them at run time) instead of re-binding ~4 x n_layer tensors per step
             for name, arr in inputs.items():
                 self._inputs[name][...] = arr
         else:
             self._bind_step(inputs, S)
-            self._bound_shapes = shapes if self.shared else None
+            self._bound_seq = S if self.shared else 0
+        self._bind_mask(attention_mask)  # the one input whose shape grows every step
         self.session.run_with_iobinding(b)
         self.cache.after_step(self.past_len, S)
         self.past_len += S
@@ -96,8 +107,15 @@ class OrtLM:
         # on CUDA only this (B, V) tensor crosses to the host each step; the cache stays on the device
         return lp if self.device == "cpu" else lp.numpy()
 
+    def _bind_mask(self, mask: np.ndarray) -> None:
+        """Copy the (B, T) mask into the front of the flat buffer and bind it there, by pointer."""
+        view = self._mask[: mask.size].reshape(mask.shape)
+        view[...] = mask
+        self.binding.bind_input("attention_mask", "cpu", 0, np.int64, list(mask.shape), view.ctypes.data)
+
     def _bind_step(self, inputs: dict[str, np.ndarray], S: int) -> None:
-        """Bind inputs (our own int64 buffers, by pointer), logprobs and the cache for a step of S tokens."""
+        """Bind ids and positions (our own int64 buffers, by pointer), logprobs and the cache for a step of
+        S tokens."""
         b = self.binding
         self._inputs = {name: np.array(arr, dtype=np.int64, order="C") for name, arr in inputs.items()}
         for name, arr in self._inputs.items():

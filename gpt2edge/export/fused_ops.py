@@ -1,0 +1,193 @@
+"""The shared-cache graph's fused ops: PyTorch reference implementations that export as ONNX Runtime's
+`com.microsoft` kernels, one node where the plain graph has many.
+
+| custom op | PyTorch (validation compares against it) | exported as |
+|---|---|---|
+| attention_lengths | each row's last slot, the total length | Shape/Sub/Cast, once per step |
+| fused_attention | write new k/v into the cache buffer, attend over valid slots | GroupQueryAttention |
+| skip_layer_norm | LayerNorm(x + skip + bias), and the sum (next residual) | SkipLayerNormalization |
+| bias_gelu | GELU(x + bias), tanh or erf form | FastGelu / BiasGelu |
+
+fused_attention contract (T = the attention mask's length = past tokens + S new ones):
+  qkv (B, S, 3C) as c_attn writes it, past_k / past_v (B, nh, P, hs) with P >= T (a buffer) or P = T - S (the
+  past itself), bias (B, 1, S, T) additive (0 allowed, very negative masked; causal and padding folded in)
+  -> y (B, S, C), present_k / present_v (B, nh, max(P, T), hs): past with slots T-S..T-1 written.
+When the runtime binds past and present to the same buffer, ONNX Runtime updates the cache in place: no step
+copies it. Every row has the same physical length; left padding is masked by the bias, not by the lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+OP_DOMAIN = "com.microsoft"
+
+
+@torch.library.custom_op("gpt2edge::attention_lengths", mutates_args=())
+def attention_lengths(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    B, T = bias.shape[0], bias.shape[-1]
+    return torch.full((B,), T - 1, dtype=torch.int32), torch.tensor(T, dtype=torch.int32)
+
+
+@attention_lengths.register_fake
+def _(bias):
+    return bias.new_empty(bias.shape[0], dtype=torch.int32), bias.new_empty((), dtype=torch.int32)
+
+
+@torch.library.custom_op("gpt2edge::fused_attention", mutates_args=())
+def fused_attention(
+    qkv: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+    bias: torch.Tensor,
+    last_slot: torch.Tensor,
+    total: torch.Tensor,
+    n_head: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, S, C3 = qkv.shape
+    C, T = C3 // 3, bias.shape[-1]
+    hs, P = C // n_head, past_k.shape[2]
+    start = T - S  # slot of the first new token
+    # (B, S, 3C) -> three (B, nh, S, hs)
+    q, k, v = (t.reshape(B, S, n_head, hs).transpose(1, 2) for t in qkv.split(C, dim=2))
+    presents = []
+    for past, new in ((past_k, k), (past_v, v)):
+        present = past.new_zeros(B, n_head, max(P, T), hs)
+        present[:, :, : min(P, start)] = past[:, :, : min(P, start)]
+        present[:, :, start:T] = new
+        presents.append(present)
+    keys, values = presents[0][:, :, :T], presents[1][:, :, :T]  # (B, nh, T, hs)
+    att = torch.softmax(torch.matmul(q, keys.transpose(-1, -2)) * scale + bias, dim=-1)  # (B, nh, S, T)
+    y = torch.matmul(att, values).transpose(1, 2).reshape(B, S, C)
+    return y, presents[0], presents[1]
+
+
+@fused_attention.register_fake
+def _(qkv, past_k, past_v, bias, last_slot, total, n_head, scale):
+    B, S, C3 = qkv.shape
+    _, nh, P, hs = past_k.shape
+    slots = torch.sym_max(P, bias.shape[-1])
+    return qkv.new_empty(B, S, C3 // 3), past_k.new_empty(B, nh, slots, hs), past_v.new_empty(B, nh, slots, hs)
+
+
+@torch.library.custom_op("gpt2edge::skip_layer_norm", mutates_args=())
+def skip_layer_norm(
+    x: torch.Tensor, skip: torch.Tensor, bias: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + skip + bias
+    return F.layer_norm(total, total.shape[-1:], gamma, beta, eps), total
+
+
+@skip_layer_norm.register_fake
+def _(x, skip, bias, gamma, beta, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("gpt2edge::bias_gelu", mutates_args=())
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
+    return F.gelu(x + bias, approximate="tanh" if tanh else "none")
+
+
+@bias_gelu.register_fake
+def _(x, bias, tanh):
+    return torch.empty_like(x)
+
+
+def onnx_translation() -> dict:
+    """{op: onnxscript function} for torch.onnx.export's custom_translation_table (imports onnxscript)."""
+    from onnxscript import INT32
+    from onnxscript import opset18 as op
+    from onnxscript.values import Op, Opset
+
+    ms = Opset(OP_DOMAIN, 1)
+    gqa = Op(ms, "GroupQueryAttention", _gqa_schema())
+    skip_ln_io = (["input", "skip", "gamma", "beta", "bias"], ["output", "mean", "inv_std_var", "input_skip_bias_sum"])
+    skip_ln = Op(ms, "SkipLayerNormalization", _schema("SkipLayerNormalization", *skip_ln_io, {"epsilon": "FLOAT"}))
+    fast_gelu = Op(ms, "FastGelu", _schema("FastGelu", ["X", "bias"], ["Y"]))
+    erf_gelu = Op(ms, "BiasGelu", _schema("BiasGelu", ["A", "B"], ["C"]))
+
+    def attention_lengths_onnx(bias):
+        length = op.Shape(bias, start=3, end=4)  # (1,) int64
+        last = op.Expand(op.Sub(length, op.Constant(value_ints=[1])), op.Shape(bias, start=0, end=1))
+        return op.Cast(last, to=INT32.dtype), op.Cast(op.Squeeze(length), to=INT32.dtype)
+
+    def fused_attention_onnx(qkv, past_k, past_v, bias, last_slot, total, n_head: int, scale: float):
+        return gqa(
+            qkv, None, None, past_k, past_v, last_slot, total, None, None, None, bias,
+            num_heads=n_head, kv_num_heads=n_head, scale=scale,
+        )  # fmt: skip
+
+    def skip_layer_norm_onnx(x, skip, bias, gamma, beta, eps: float):
+        out, _mean, _inv_std, total = skip_ln(x, skip, gamma, beta, bias, epsilon=eps)
+        return out, total
+
+    def bias_gelu_onnx(x, bias, tanh: bool):
+        return fast_gelu(x, bias) if tanh else erf_gelu(x, bias)
+
+    ops = torch.ops.gpt2edge
+    return {
+        ops.attention_lengths.default: attention_lengths_onnx,
+        ops.fused_attention.default: fused_attention_onnx,
+        ops.skip_layer_norm.default: skip_layer_norm_onnx,
+        ops.bias_gelu.default: bias_gelu_onnx,
+    }
+
+
+_OPTIONAL = ("beta", "bias", "mean", "inv_std_var", "input_skip_bias_sum")
+
+
+def _schema(name: str, inputs: list[str], outputs: list[str], attributes: dict[str, str] | None = None):
+    """An onnx OpSchema for a com.microsoft op (the onnx package does not ship ONNX Runtime's): float
+    tensors of one type T; the attributes given are optional."""
+    from onnx.defs import OpSchema
+
+    opt, one = OpSchema.FormalParameterOption.Optional, OpSchema.FormalParameterOption.Single
+
+    def params(names):
+        return [OpSchema.FormalParameter(n, "T", param_option=opt if n in _OPTIONAL else one) for n in names]
+
+    attrs = [
+        OpSchema.Attribute(a, getattr(OpSchema.AttrType, t), a, required=False) for a, t in (attributes or {}).items()
+    ]
+    return OpSchema(
+        name,
+        OP_DOMAIN,
+        1,
+        inputs=params(inputs),
+        outputs=params(outputs),
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float tensors")],
+        attributes=attrs,
+    )
+
+
+def _gqa_schema():
+    """The part of ONNX Runtime's GroupQueryAttention schema the graph uses."""
+    from onnx.defs import OpSchema
+
+    opt, one = OpSchema.FormalParameterOption.Optional, OpSchema.FormalParameterOption.Single
+    names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
+    names += ["cos_cache", "sin_cache", "position_ids", "attention_bias"]
+    types = {"seqlens_k": "M", "total_sequence_length": "M", "position_ids": "P"}
+    required = {"query", "seqlens_k", "total_sequence_length"}
+    inputs = [OpSchema.FormalParameter(n, types.get(n, "T"), param_option=one if n in required else opt) for n in names]
+    outputs = [OpSchema.FormalParameter(n, "T") for n in ("output", "present_key", "present_value")]
+    attr = OpSchema.AttrType
+    return OpSchema(
+        "GroupQueryAttention",
+        OP_DOMAIN,
+        1,
+        inputs=inputs,
+        outputs=outputs,
+        type_constraints=[
+            ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float tensors"),
+            ("M", ["tensor(int32)"], "lengths"),
+            ("P", ["tensor(int64)"], "positions"),
+        ],
+        attributes=[
+            OpSchema.Attribute("num_heads", attr.INT, "query heads", required=True),
+            OpSchema.Attribute("kv_num_heads", attr.INT, "key/value heads", required=True),
+            OpSchema.Attribute("scale", attr.FLOAT, "score scale", required=False),
+        ],
+    )
