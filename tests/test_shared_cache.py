@@ -122,3 +122,27 @@ def test_fp16_of_shared_export_is_refused_before_any_work(tiny_export_shared, tm
 def test_shared_graph_refuses_cuda(tiny_export_shared):
     with pytest.raises(DeviceError, match="shared KV cache"):
         Generator(tiny_export_shared, device="cuda")
+
+
+@pytest.mark.parametrize(
+    "overrides, fused_activation",
+    [
+        ({"activation_function": "gelu", "scale_attn_by_inverse_layer_idx": True}, "BiasGelu"),
+        ({"activation_function": "relu", "scale_attn_weights": False}, None),
+    ],
+)
+def test_fused_graph_follows_config_options(tiny_checkpoint, tmp_path, overrides, fused_activation):
+    """Each branch of the fused blocks (erf GELU, plain activations, attention scales) matches PyTorch."""
+    import shutil
+
+    from gpt2edge.export import export_model
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, **overrides}))
+    result = export_model(str(ckpt), tmp_path / "out", kv_cache="shared")  # raises if validation fails
+    assert all(c.ok for c in result.checks)
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "out" / "model.onnx")).graph.node}
+    assert "GroupQueryAttention" in ops and "SkipLayerNormalization" in ops
+    assert (fused_activation in ops) if fused_activation else not ops & {"FastGelu", "BiasGelu"}
