@@ -96,11 +96,13 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, An
     work = Workload(Path(model_dir), cfg)
     dims = work.folder.dims
     threads = cfg.threads or 2
-    bandwidth = read_bandwidth_gbs(threads)
-    gflops = matmul_gflops()
+    bandwidths, gflops_runs = [], []
 
     prefill, decode, sampler, tps = [], [], [], []
     for i in tqdm(range(cfg.repeat + 1), desc="bench", unit="run", file=log, leave=False):
+        if i > 0:  # probe the machine next to every timed run: a shared host's speed drifts within a run
+            bandwidths.append(read_bandwidth_gbs(threads, repeat=3))
+            gflops_runs.append(matmul_gflops(repeat=5))
         state = work.run(cfg.prompt_len, cfg.new_tokens)
         if i == 0:
             continue  # warm-up: first-run allocations and kernel selection
@@ -118,6 +120,7 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, An
     kv_read = (1 if work.lm.shared else 2) * kv_bytes_per_step(dims, cfg.batch, mean_context, itemsize)
     step_bytes = weights + kv_read
     decode_median = float(np.median(decode))
+    bandwidth, gflops = float(np.median(bandwidths)), float(np.median(gflops_runs))
     floor_ms = step_bytes / (bandwidth * 1e9) * 1e3
     flops = prefill_flops(dims, cfg.batch, cfg.prompt_len)
     prefill_floor = flops / (gflops * 1e9) * 1e3
@@ -140,7 +143,9 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, An
         "bytes_read_per_step": int(step_bytes),
         "achieved_bandwidth_gbs": step_bytes / (decode_median / 1e3) / 1e9,
         "machine_read_bandwidth_gbs": bandwidth,
+        "machine_read_bandwidth_range_gbs": [min(bandwidths), max(bandwidths)],
         "machine_matmul_gflops": gflops,
+        "machine_matmul_gflops_range": [min(gflops_runs), max(gflops_runs)],
         "decode_floor_ms": floor_ms,
         "decode_vs_floor": decode_median / floor_ms,
     }
@@ -214,7 +219,12 @@ def bench_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
         ("model bytes", f"{r['model_bytes'] / 1e6:.1f} MB"),
         ("bytes read per decode step", f"{r['bytes_read_per_step'] / 1e6:.1f} MB"),
         ("achieved bandwidth", f"{r['achieved_bandwidth_gbs']:.1f} GB/s"),
-        ("machine read bandwidth (probe)", f"{r['machine_read_bandwidth_gbs']:.1f} GB/s"),
+        (
+            "machine read bandwidth (probe)",
+            "{:.1f} GB/s (median; runs {:.1f}-{:.1f})".format(
+                r["machine_read_bandwidth_gbs"], *r["machine_read_bandwidth_range_gbs"]
+            ),
+        ),
         ("decode floor / vs floor", f"{r['decode_floor_ms']:.2f} ms  ({r['decode_vs_floor']:.2f} x floor)"),
     ]
     if "torch" in r:
