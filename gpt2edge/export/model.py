@@ -176,7 +176,7 @@ class ExportableGPT2(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
         B, S = input_ids.shape
-        T = attention_mask.shape[1]  # past (or cache capacity) + current length
+        T = attention_mask.shape[1]  # past + current length
         x = self.wte(input_ids) + self.wpe(position_ids)  # (B, S, C)
         # query i sits at absolute slot T-S+i and may look at key slots j <= T-S+i that are not padding
         key_slot = torch.arange(T, device=x.device)
@@ -198,7 +198,7 @@ class ExportableGPT2(nn.Module):
         return (torch.log_softmax(logits.float(), dim=-1), *presents)
 
     def _fused_blocks(self, x, past, allowed):
-        """The blocks as ONNX Runtime's fused ops (fused_ops.py): same maths, ~8 nodes per layer, and the
+        """The blocks as ONNX Runtime's fused ops (fused_ops.py): same maths, ~9 nodes per layer, and the
         attention writes the cache in place. Each residual add is fused with the LayerNorm that follows it."""
         eps = self.dims.layer_norm_epsilon
         floor = torch.finfo(x.dtype).min / 2  # finite after adding a score: a padded query gets no NaN
