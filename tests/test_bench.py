@@ -43,6 +43,20 @@ def test_bench_json_fields_are_plausible(tiny_export):
     assert rec["model_bytes"] == manifest["files"]["model.onnx"]["size"]
     assert rec["bytes_read_per_step"] > manifest["graph"]["decode_weight_bytes"]  # weights + KV cache
     assert rec["config"]["repeat"] == 2 and rec["precision"] == "fp32"
+    for probe in ("machine_read_bandwidth", "machine_matmul_gflops"):  # probed before and after the runs
+        value = rec[probe + ("_gbs" if "bandwidth" in probe else "")]
+        lo, hi = rec[probe + ("_range_gbs" if "bandwidth" in probe else "_range")]
+        assert 0 < lo <= hi == value  # the floors use the better probe
+
+
+def test_shared_graph_reads_the_cache_once(tiny_export, tiny_export_shared):
+    """The byte count of a decode step: weights + KV cache twice (concat: Concat and attention) or once
+    (shared: the fused attention reads the valid slots in place)."""
+    args = ("--prompt-len", "16", "--new-tokens", "8", "--repeat", "1", "--json")
+    concat, shared = (json.loads(bench(folder, *args).stdout) for folder in (tiny_export, tiny_export_shared))
+    assert shared["kv_cache"] == "shared" and concat["kv_cache"] == "concat"
+    kv = {r["kv_cache"]: r["bytes_read_per_step"] - r["weight_bytes_per_step"] for r in (concat, shared)}
+    assert kv["concat"] == pytest.approx(2 * kv["shared"])
 
 
 def test_sweep_and_plot(tiny_export, tmp_path):
