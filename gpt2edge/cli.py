@@ -14,6 +14,7 @@ import click
 
 from gpt2edge import __version__
 from gpt2edge.errors import Gpt2EdgeError
+from gpt2edge.manifest import HEAD_MODES, KV_CACHE_MODES
 
 
 def friendly_errors(fn):
@@ -45,14 +46,14 @@ def main() -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option(
     "--head",
-    type=click.Choice(["last", "all"]),
+    type=click.Choice(HEAD_MODES),
     default="last",
     show_default=True,
     help="last: next-token log-probs (generation); all: every position (scoring, perplexity).",
 )
 @click.option(
     "--kv-cache",
-    type=click.Choice(["concat", "shared"]),
+    type=click.Choice(KV_CACHE_MODES),
     default="concat",
     show_default=True,
     help="concat: Optimum's past/present contract; shared: the CPU fast path (cache updated in place).",

@@ -17,6 +17,12 @@ MANIFEST_NAME = "manifest.json"
 FORMAT = "gpt2edge-export"
 FORMAT_VERSION = 1
 
+# graph kinds a manifest may describe (graph.head, graph.kv_cache), and what computes attention in each
+# (graph.attention): the exporter writes these, the CLI offers them, the runtime checks them
+HEAD_MODES = ("last", "all")
+KV_CACHE_MODES = ("concat", "shared")
+ATTENTION_OPS = {"concat": "onnx", "shared": "com.microsoft.GroupQueryAttention"}
+
 
 def file_digest(path: Path) -> dict[str, Any]:
     """sha256 and size of one file, read in 1 MiB chunks so multi-GB data files never sit in memory."""

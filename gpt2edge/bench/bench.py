@@ -98,7 +98,7 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, An
     threads = cfg.threads or 2
     # probe the machine before the warm-up and after the last run: a shared host's speed drifts within a run.
     # Not between timed runs: NumPy's BLAS threads keep spinning after the matmul probe and slow the prefill.
-    bandwidths, gflops_runs = [read_bandwidth_gbs(threads)], [matmul_gflops()]
+    probes = [(read_bandwidth_gbs(threads), matmul_gflops())]
 
     prefill, decode, sampler, tps = [], [], [], []
     for i in tqdm(range(cfg.repeat + 1), desc="bench", unit="run", file=log, leave=False):
@@ -118,8 +118,8 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, An
     # attention reads the present, twice the mean context
     kv_read = (1 if work.lm.shared else 2) * kv_bytes_per_step(dims, cfg.batch, mean_context, itemsize)
     step_bytes = weights + kv_read
-    bandwidths.append(read_bandwidth_gbs(threads))
-    gflops_runs.append(matmul_gflops())
+    probes.append((read_bandwidth_gbs(threads), matmul_gflops()))
+    bandwidths, gflops_runs = zip(*probes)
     decode_median = float(np.median(decode))
     bandwidth, gflops = max(bandwidths), max(gflops_runs)  # best of both probes, as each probe is a best-of
     floor_ms = step_bytes / (bandwidth * 1e9) * 1e3
@@ -128,7 +128,7 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, An
     return {
         "model": str(model_dir),
         "precision": work.folder.precision,
-        "kv_cache": "shared" if work.lm.shared else "concat",
+        "kv_cache": work.folder.kv_cache,
         "vocab_size": dims["vocab_size"],
         "config": asdict(cfg),
         "prefill_ms": float(np.median(prefill)),

@@ -13,11 +13,11 @@ from tqdm import tqdm
 import gpt2edge
 from gpt2edge.errors import ExportError
 from gpt2edge.export.checkpoint import load_checkpoint
-from gpt2edge.export.model import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, from_hf_model
+from gpt2edge.export.model import from_hf_model
 from gpt2edge.export.onnx_graph import DEFAULT_OPSET, check_opset, export_graph, io_spec
 from gpt2edge.export.validate import DEFAULT_ATOL, Check, checks_to_json, print_checks, raise_on_failure, validate
 from gpt2edge.folder import atomic_output_dir, check_output_dir
-from gpt2edge.manifest import write_manifest
+from gpt2edge.manifest import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, write_manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
 
 MODEL_FILE = "model.onnx"

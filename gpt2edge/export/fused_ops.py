@@ -102,10 +102,21 @@ def onnx_translation() -> dict:
     from onnxscript.values import Op, Opset
 
     ms = Opset(OP_DOMAIN, 1)
-    gqa = Op(ms, "GroupQueryAttention", _gqa_schema())
-    skip_ln_io = (["input", "skip", "gamma", "beta", "bias"], ["output", "mean", "inv_std_var", "input_skip_bias_sum"])
-    skip_ln = Op(ms, "SkipLayerNormalization", _schema("SkipLayerNormalization", *skip_ln_io, {"epsilon": "FLOAT"}))
-    fast_gelu = Op(ms, "FastGelu", _schema("FastGelu", ["X", "bias"], ["Y"]))
+    gqa_in = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
+    gqa_in += ["cos_cache", "sin_cache", "position_ids", "attention_bias"]
+    gqa = Op(ms, "GroupQueryAttention", _schema(
+        "GroupQueryAttention", gqa_in, ["output", "present_key", "present_value"],
+        optional=set(gqa_in) - {"query", "seqlens_k", "total_sequence_length"},
+        types={"seqlens_k": "M", "total_sequence_length": "M", "position_ids": "P"},
+        attributes={"num_heads": ("INT", True), "kv_num_heads": ("INT", True), "scale": ("FLOAT", False)},
+    ))  # fmt: skip
+    skip_ln = Op(ms, "SkipLayerNormalization", _schema(
+        "SkipLayerNormalization", ["input", "skip", "gamma", "beta", "bias"],
+        ["output", "mean", "inv_std_var", "input_skip_bias_sum"],
+        optional={"beta", "bias", "mean", "inv_std_var", "input_skip_bias_sum"},
+        attributes={"epsilon": ("FLOAT", False)},
+    ))  # fmt: skip
+    fast_gelu = Op(ms, "FastGelu", _schema("FastGelu", ["X", "bias"], ["Y"], optional={"bias"}))
     erf_gelu = Op(ms, "BiasGelu", _schema("BiasGelu", ["A", "B"], ["C"]))
 
     def attention_lengths_onnx(bias):
@@ -135,59 +146,45 @@ def onnx_translation() -> dict:
     }
 
 
-_OPTIONAL = ("beta", "bias", "mean", "inv_std_var", "input_skip_bias_sum")
+# type parameters of the schemas below: float tensors, int32 lengths, int64 positions
+_TYPE_PARAMS = {
+    "T": (["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float tensors"),
+    "M": (["tensor(int32)"], "lengths"),
+    "P": (["tensor(int64)"], "positions"),
+}
 
 
-def _schema(name: str, inputs: list[str], outputs: list[str], attributes: dict[str, str] | None = None):
-    """An onnx OpSchema for a com.microsoft op (the onnx package does not ship ONNX Runtime's): float
-    tensors of one type T; the attributes given are optional."""
+def _schema(
+    name: str,
+    inputs: list[str],
+    outputs: list[str],
+    optional: set[str] = frozenset(),
+    types: dict[str, str] | None = None,
+    attributes: dict[str, tuple[str, bool]] | None = None,
+):
+    """An onnx OpSchema for the part of a com.microsoft op the graph uses (the onnx package does not ship
+    ONNX Runtime's schemas). Parameters are of type T unless `types` says otherwise; `attributes` maps a name
+    to (onnx AttrType name, required)."""
     from onnx.defs import OpSchema
 
+    types = types or {}
     opt, one = OpSchema.FormalParameterOption.Optional, OpSchema.FormalParameterOption.Single
 
     def params(names):
-        return [OpSchema.FormalParameter(n, "T", param_option=opt if n in _OPTIONAL else one) for n in names]
+        return [
+            OpSchema.FormalParameter(n, types.get(n, "T"), param_option=opt if n in optional else one) for n in names
+        ]
 
-    attrs = [
-        OpSchema.Attribute(a, getattr(OpSchema.AttrType, t), a, required=False) for a, t in (attributes or {}).items()
-    ]
+    used = {"T", *types.values()}
     return OpSchema(
         name,
         OP_DOMAIN,
         1,
         inputs=params(inputs),
         outputs=params(outputs),
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float tensors")],
-        attributes=attrs,
-    )
-
-
-def _gqa_schema():
-    """The part of ONNX Runtime's GroupQueryAttention schema the graph uses."""
-    from onnx.defs import OpSchema
-
-    opt, one = OpSchema.FormalParameterOption.Optional, OpSchema.FormalParameterOption.Single
-    names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
-    names += ["cos_cache", "sin_cache", "position_ids", "attention_bias"]
-    types = {"seqlens_k": "M", "total_sequence_length": "M", "position_ids": "P"}
-    required = {"query", "seqlens_k", "total_sequence_length"}
-    inputs = [OpSchema.FormalParameter(n, types.get(n, "T"), param_option=one if n in required else opt) for n in names]
-    outputs = [OpSchema.FormalParameter(n, "T") for n in ("output", "present_key", "present_value")]
-    attr = OpSchema.AttrType
-    return OpSchema(
-        "GroupQueryAttention",
-        OP_DOMAIN,
-        1,
-        inputs=inputs,
-        outputs=outputs,
-        type_constraints=[
-            ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float tensors"),
-            ("M", ["tensor(int32)"], "lengths"),
-            ("P", ["tensor(int64)"], "positions"),
-        ],
+        type_constraints=[(t, *_TYPE_PARAMS[t]) for t in _TYPE_PARAMS if t in used],
         attributes=[
-            OpSchema.Attribute("num_heads", attr.INT, "query heads", required=True),
-            OpSchema.Attribute("kv_num_heads", attr.INT, "key/value heads", required=True),
-            OpSchema.Attribute("scale", attr.FLOAT, "score scale", required=False),
+            OpSchema.Attribute(a, getattr(OpSchema.AttrType, t), a, required=req)
+            for a, (t, req) in (attributes or {}).items()
         ],
     )

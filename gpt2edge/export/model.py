@@ -30,15 +30,14 @@ _ACTIVATIONS = {
 
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
-HEAD_MODES = ("last", "all")
+# The graph kinds this module builds (gpt2edge.manifest.HEAD_MODES / KV_CACHE_MODES).
+# head: "last" returns the next-token log-probs only, "all" every position's.
+# KV cache:
 # concat: past (B, nh, P, hs) in, present = past + new (B, nh, P+S, hs) out (Optimum's contract).
 # shared: past is a pre-allocated buffer (B, nh, capacity, hs) holding the past in its first slots; one
 #         fused ONNX Runtime op per layer writes the new entries into it and attends over the valid slots, and
 #         present is that buffer (the runtime binds both names to the same memory): nothing copies the cache.
 #         The whole block is built from ONNX Runtime's fused ops (fused_ops.py): an ONNX Runtime-only graph.
-KV_CACHE_MODES = ("concat", "shared")
-# what computes attention in each graph kind (the manifest records it; the runtime checks it)
-ATTENTION_OPS = {"concat": "onnx", "shared": "com.microsoft.GroupQueryAttention"}
 
 
 @dataclass(frozen=True)
@@ -159,7 +158,7 @@ class Block(nn.Module):
 class ExportableGPT2(nn.Module):
     """forward(input_ids, attention_mask, position_ids, *past) -> (logprobs, *presents).
 
-    past / presents are flat: key_0, value_0, key_1, value_1, ... each (B, nh, T, hs); see KV_CACHE_MODES.
+    past / presents are flat: key_0, value_0, key_1, value_1, ... each (B, nh, T, hs); see the KV cache modes above.
     """
 
     def __init__(self, dims: Dims, head: str = "last", tied_head: bool = True, kv_cache: str = "concat"):
@@ -204,7 +203,7 @@ class ExportableGPT2(nn.Module):
         floor = torch.finfo(x.dtype).min / 2  # finite after adding a score: a padded query gets no NaN
         bias = torch.where(allowed, 0.0, floor).to(x.dtype)  # (B, 1, S, T) additive mask, shared by every layer
         last_slot, total = attention_lengths(bias)
-        tanh = self.dims.activation in _TANH_GELUS
+        act = self.dims.activation
         h, presents = self.h[0].ln_1(x), []
         for i, block in enumerate(self.h):
             attn, mlp = block.attn, block.mlp
@@ -213,8 +212,8 @@ class ExportableGPT2(nn.Module):
             presents += [k, v]
             # x = x + attention output; h = ln_2(x)
             h, x = skip_layer_norm(y @ attn.c_proj.weight, x, attn.c_proj.bias, block.ln_2.weight, block.ln_2.bias, eps)
-            if self.dims.activation in _TANH_GELUS or self.dims.activation == "gelu":
-                a = bias_gelu(h @ mlp.c_fc.weight, mlp.c_fc.bias, tanh)  # (B, S, n_inner)
+            if act in _TANH_GELUS or act == "gelu":
+                a = bias_gelu(h @ mlp.c_fc.weight, mlp.c_fc.bias, act in _TANH_GELUS)  # (B, S, n_inner)
             else:
                 a = mlp.act(mlp.c_fc(h))
             m = a @ mlp.c_proj.weight

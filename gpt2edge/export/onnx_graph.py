@@ -87,7 +87,7 @@ def export_graph(model: ExportableGPT2, path: Path, opset: int = DEFAULT_OPSET) 
             warnings.simplefilter("ignore")
             # torch logs a warning per torchvision op it cannot register; irrelevant here
             logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-            # the shared cache's attention is a custom op that becomes ONNX Runtime's fused attention node
+            # the shared-cache graph's custom ops become ONNX Runtime's fused nodes (fused_ops.py)
             translation = onnx_translation() if model.kv_cache == "shared" else None
             program = torch.onnx.export(
                 model,

@@ -5,14 +5,10 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from gpt2edge.errors import DeviceError, ModelFolderError
+from gpt2edge.errors import DeviceError
 from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.session import ORT_DEVICE, create_session
-
-# the op that updates a shared cache in place (the manifest's graph.attention); the runtime cannot import
-# the export package, so the name is repeated here
-SHARED_ATTENTION = "com.microsoft.GroupQueryAttention"
 
 
 class OrtLM:
@@ -24,13 +20,7 @@ class OrtLM:
         self.folder = folder
         self.device = device
         self.io_binding = io_binding
-        graph = folder.manifest["graph"]
-        self.shared = graph.get("kv_cache", "concat") == "shared"
-        if self.shared and graph.get("attention") != SHARED_ATTENTION:
-            raise ModelFolderError(
-                f"{folder.path} is a shared-cache export from an older gpt2edge (its graph returns only the new "
-                "cache entries); export it again with --kv-cache shared."
-            )
+        self.shared = folder.kv_cache == "shared"
         if self.shared and device != "cpu":
             raise DeviceError(
                 f"{folder.path} uses the shared KV cache (the CPU fast path, tested on CPU only); for {device} "
@@ -60,9 +50,9 @@ class OrtLM:
         self._bound_seq = 0  # new buffers below: bind afresh
         if self.io_binding or self.shared:
             self.cache.reserve(batch, length)
-        if self.io_binding and self._mask.size < batch * length:
-            self._mask = np.empty(batch * length, dtype=np.int64)
         if self.io_binding:
+            if self._mask.size < batch * length:
+                self._mask = np.empty(batch * length, dtype=np.int64)
             if self.folder.head == "last":
                 shape = (batch, self.vocab_size)
                 if self.device == "cpu":

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import ModelFolderError
-from gpt2edge.manifest import graph_files, read_manifest, verify_files
+from gpt2edge.manifest import ATTENTION_OPS, graph_files, read_manifest, verify_files
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -34,6 +34,12 @@ class ModelFolder:
             raise ModelFolderError(f"{path} is incomplete: {graph['file']} is missing.")
         if graph.get("kv_dtype", "float32") not in _DTYPES:
             raise ModelFolderError(f"{path}: unsupported KV cache dtype {graph.get('kv_dtype')!r}.")
+        kv_cache = graph.get("kv_cache", "concat")
+        if kv_cache == "shared" and graph.get("attention") != ATTENTION_OPS[kv_cache]:
+            raise ModelFolderError(
+                f"{path} is a shared-cache export from an older gpt2edge (its graph returns only the new "
+                "cache entries); export it again with --kv-cache shared."
+            )
         return cls(path=path, manifest=manifest)
 
     @property
@@ -51,6 +57,11 @@ class ModelFolder:
     @property
     def head(self) -> str:
         return self.manifest["graph"].get("head", "last")
+
+    @property
+    def kv_cache(self) -> str:
+        """ "concat" or "shared" (see gpt2edge.manifest.KV_CACHE_MODES)."""
+        return self.manifest["graph"].get("kv_cache", "concat")
 
     @property
     def kv_dtype(self) -> type:
