@@ -28,4 +28,5 @@ for variant in fp32 fp32-shared; do
         --plot "$out/sweep-$variant.png" --json > "$out/sweep-$variant.json"
 done
 python benchmarks/int8_methods.py "$out/fp32" --threads 2 --repeat 3 > "$out/int8-methods.txt"
+python benchmarks/kernel_floor.py --threads 2 > "$out/kernel-floor.txt"
 python benchmarks/summarize.py "$out"

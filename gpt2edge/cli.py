@@ -209,6 +209,11 @@ def generate(
 @click.option("--head-bits", type=int, default=None, help="Bits of the tied embedding/LM head [default: 8].")
 @click.option("--keep-head-fp32", is_flag=True, help="Leave the embedding/LM head in fp32.")
 @click.option(
+    "--symmetric/--asymmetric",
+    default=None,
+    help="Codes without / with zero points [default: int4 symmetric (faster kernel), int8 asymmetric].",
+)
+@click.option(
     "--text",
     "text_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -220,12 +225,23 @@ def generate(
 @click.option("--json", "as_json", is_flag=True, help="Print the new manifest (with the report) as JSON.")
 @friendly_errors
 def quantize(
-    model_dir, out, mode, block_size, accuracy_level, head_bits, keep_head_fp32, text_file, no_report, force, as_json
+    model_dir,
+    out,
+    mode,
+    block_size,
+    accuracy_level,
+    head_bits,
+    keep_head_fp32,
+    symmetric,
+    text_file,
+    no_report,
+    force,
+    as_json,
 ) -> None:
     """Write an fp16 / int8 / int4 variant of the export folder MODEL_DIR, with a quality report."""
     from gpt2edge.quantize import make_recipe, quantize_model
 
-    recipe = make_recipe(mode, block_size, accuracy_level, head_bits, keep_head_fp32)
+    recipe = make_recipe(mode, block_size, accuracy_level, head_bits, keep_head_fp32, symmetric)
     text = text_file.read_text() if text_file else None
     manifest = quantize_model(model_dir, out, recipe, force=force, text=text, report=not no_report)
     if as_json:

@@ -25,6 +25,9 @@ FIELDS = (
     "decode_floor_ms",
     "decode_vs_floor",
     "prefill_floor_ms",
+    "prefill_ms_best",
+    "decode_ms_best_run",
+    "decode_vs_floor_best_run",
 )
 
 
@@ -39,6 +42,10 @@ def test_bench_json_fields_are_plausible(tiny_export):
     for f in FIELDS:
         assert rec[f] > 0, f
     assert rec["decode_ms_p90"] >= rec["decode_ms_per_token"]
+    # the best run is one of the runs: no slower than the slowest, and its prefill no slower than the median
+    assert rec["prefill_ms_best"] <= rec["prefill_ms"]
+    assert rec["decode_ms_best_run"] <= rec["decode_ms_p90"]
+    assert rec["decode_vs_floor_best_run"] == pytest.approx(rec["decode_ms_best_run"] / rec["decode_floor_ms"])
     manifest = read_manifest(tiny_export)
     assert rec["model_bytes"] == manifest["files"]["model.onnx"]["size"]
     assert rec["bytes_read_per_step"] > manifest["graph"]["decode_weight_bytes"]  # weights + KV cache

@@ -147,24 +147,63 @@ def test_tied_table_stored_once_and_keep_head_fp32(variants, tiny_export, tmp_pa
     Generator(out).generate("The", max_new_tokens=4)
 
 
+def _zero_point_tables(folder) -> list[str]:
+    return [i.name for i in onnx.load(str(folder / "model.onnx")).graph.initializer if "zero_points" in i.name]
+
+
+def test_int4_symmetric_by_default_int8_asymmetric(variants, tiny_export, tmp_path):
+    """int4 stores no zero points (Q4_0's form, the faster kernel here), int8 does; both can be switched."""
+    recipe = {m: read_manifest(variants[m])["quantization"]["recipe"] for m in ("int8", "int4")}
+    assert recipe["int4"]["symmetric"] is True and recipe["int8"]["symmetric"] is False
+    assert _zero_point_tables(variants["int4"]) == []
+    assert "h.0.mlp.c_fc.weight.zero_points" in _zero_point_tables(variants["int8"])
+    out = tmp_path / "int4-asym"
+    r = quantize_cli(tiny_export, "-o", out, "--mode", "int4", "--asymmetric", "--no-report")
+    assert r.exit_code == 0, r.output
+    assert read_manifest(out)["quantization"]["recipe"]["symmetric"] is False
+    assert "h.0.mlp.c_fc.weight.zero_points" in _zero_point_tables(out)
+    # the asymmetric form's quality, through the same report as the default's
+    q = compare_folders(tiny_export, out)
+    assert q["mean_kl"] <= THRESHOLDS["int4"]["mean_kl"] and q["top1_agreement"] >= THRESHOLDS["int4"]["top1"]
+    sym8 = tmp_path / "int8-sym"
+    assert quantize_cli(tiny_export, "-o", sym8, "--mode", "int8", "--symmetric", "--no-report").exit_code == 0
+    assert _zero_point_tables(sym8) == []  # embedding rows too: dequantized around the fixed mid code
+    g = Generator(sym8).generate("The river", max_new_tokens=6, ignore_eos=True)
+    assert len(g.token_ids) == 6
+    assert compare_folders(tiny_export, sym8)["mean_kl"] <= THRESHOLDS["int8"]["mean_kl"]
+
+
 def test_int4_head_bits_4(tiny_export, tmp_path):
     out = _quantize(tiny_export, tmp_path / "h4", "int4", head_bits=4)
     assert read_manifest(out)["quantization"]["recipe"]["head_bits"] == 4
     Generator(out).generate("The", max_new_tokens=4)
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("K", [64, 80])  # 80: K not a multiple of the block, padded
-def test_primitives_match_the_kernel(bits, K):
+def test_primitives_match_the_kernel(bits, K, symmetric):
     rng = np.random.default_rng(bits + K)
     w = rng.standard_normal((K, 24)).astype(np.float32)
-    q = quantize_blockwise(w, bits, 32)
+    q = quantize_blockwise(w, bits, 32, symmetric)
+    assert (q.zero_points is None) == symmetric
     deq = dequantize_blockwise(q)
-    assert np.abs(deq - w).max() <= q.scales.max() * 0.51 + 1e-6  # within half a step
+    # within half a step; symmetric: one step at most (the code range is one longer on the side of the block's
+    # largest |w|, so the opposite extreme clips by up to a step, as in llama.cpp's Q4_0); scales carry a sign
+    step = np.abs(q.scales).max()
+    assert np.abs(deq - w).max() <= step * (1.01 if symmetric else 0.51) + 1e-6
+    arrays = [("B", q.packed), ("S", q.scales)] + ([] if symmetric else [("Z", q.zero_points)])
     node = helper.make_node(
-        "MatMulNBits", ["A", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=K, N=24, bits=bits, block_size=32
+        "MatMulNBits",
+        ["A", *(n for n, _ in arrays)],
+        ["Y"],
+        domain="com.microsoft",
+        K=K,
+        N=24,
+        bits=bits,
+        block_size=32,
     )
-    inits = [numpy_helper.from_array(a, n) for a, n in ((q.packed, "B"), (q.scales, "S"), (q.zero_points, "Z"))]
+    inits = [numpy_helper.from_array(a, n) for n, a in arrays]
     graph = helper.make_graph(
         [node],
         "g",
@@ -202,6 +241,7 @@ def test_bad_requests_write_nothing(tiny_export, variants, tmp_path):
     assert_refused(quantize_cli(variants["fp16"], "-o", out, "--mode", "fp16"), "already fp16", out)
     assert_refused(quantize_cli(tiny_export, "-o", out, "--mode", "int4", "--block-size", "24"), "power of two", out)
     assert_refused(quantize_cli(tiny_export, "-o", out, "--mode", "fp16", "--head-bits", "4"), "int8/int4", out)
+    assert_refused(quantize_cli(tiny_export, "-o", out, "--mode", "fp16", "--symmetric"), "int8/int4", out)
     with pytest.raises(QuantizeError, match="--head-bits 4 is for int4"):
         make_recipe("int8", head_bits=4)
 

@@ -101,12 +101,14 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, An
     probes = [(read_bandwidth_gbs(threads), matmul_gflops())]
 
     prefill, decode, sampler, tps = [], [], [], []
+    run_decode_medians = []  # per timed run: the best run is the one a shared host disturbed least
     for i in tqdm(range(cfg.repeat + 1), desc="bench", unit="run", file=log, leave=False):
         state = work.run(cfg.prompt_len, cfg.new_tokens)
         if i == 0:
             continue  # warm-up: first-run allocations and kernel selection
         prefill.append(state.prefill_ms)
         decode += state.decode_ms
+        run_decode_medians.append(float(np.median(state.decode_ms)))
         sampler += state.sampler_ms
         total_s = (sum(state.decode_ms) + sum(state.sampler_ms)) / 1e3
         tps.append(cfg.batch * len(state.decode_ms) / total_s)
@@ -134,6 +136,8 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, An
         "prefill_ms": float(np.median(prefill)),
         "prefill_floor_ms": prefill_floor,
         "prefill_vs_floor": float(np.median(prefill)) / prefill_floor,
+        "prefill_ms_best": float(min(prefill)),
+        "prefill_vs_floor_best": float(min(prefill)) / prefill_floor,
         "decode_ms_per_token": decode_median,
         "decode_ms_p90": float(np.percentile(decode, 90)),
         "tokens_per_s": float(np.median(tps)),
@@ -149,6 +153,9 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=sys.stderr) -> dict[str, An
         "machine_matmul_gflops_range": [min(gflops_runs), max(gflops_runs)],
         "decode_floor_ms": floor_ms,
         "decode_vs_floor": decode_median / floor_ms,
+        # best-of against best-of: the probes keep their fastest reading, this keeps the fastest run's median
+        "decode_ms_best_run": min(run_decode_medians),
+        "decode_vs_floor_best_run": min(run_decode_medians) / floor_ms,
     }
 
 
@@ -212,7 +219,11 @@ def bench_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
             "workload",
             "batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, {repeat} runs".format(**r["config"]),
         ),
-        ("prefill (time to first token)", f"{r['prefill_ms']:.1f} ms  ({r['prefill_vs_floor']:.2f} x FLOP floor)"),
+        (
+            "prefill (time to first token)",
+            f"{r['prefill_ms']:.1f} ms  ({r['prefill_vs_floor']:.2f} x FLOP floor; "
+            f"best run {r['prefill_ms_best']:.1f} ms, {r['prefill_vs_floor_best']:.2f} x)",
+        ),
         ("decode median / p90", f"{r['decode_ms_per_token']:.2f} / {r['decode_ms_p90']:.2f} ms/token"),
         ("tokens/s", f"{r['tokens_per_s']:.1f}"),
         ("sampler overhead", f"{r['sampler_ms_per_token']:.3f} ms/token"),
@@ -226,7 +237,11 @@ def bench_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
                 r["machine_read_bandwidth_gbs"], *r["machine_read_bandwidth_range_gbs"]
             ),
         ),
-        ("decode floor / vs floor", f"{r['decode_floor_ms']:.2f} ms  ({r['decode_vs_floor']:.2f} x floor)"),
+        (
+            "decode floor / vs floor",
+            f"{r['decode_floor_ms']:.2f} ms  ({r['decode_vs_floor']:.2f} x floor; "
+            f"best run {r['decode_ms_best_run']:.2f} ms/token, {r['decode_vs_floor_best_run']:.2f} x)",
+        ),
     ]
     if "torch" in r:
         t = r["torch"]

@@ -27,6 +27,9 @@ MODES = ("fp16", "int8", "int4")
 DEFAULT_BLOCK_SIZE = {"int8": 128, "int4": 32}
 # 4 = int8 activations in MatMulNBits: on AVX2 without VNNI it is ~40x faster than the float path (level 0)
 DEFAULT_ACCURACY_LEVEL = 4
+# int4 symmetric (llama.cpp Q4_0's form): ONNX Runtime's 4-bit kernel without zero points decodes ~7 % faster
+# here (~20 % in the matmuls alone) at a ~10 % higher KL; int8 keeps zero points, its kernel speed is the same
+DEFAULT_SYMMETRIC = {"int8": False, "int4": True}
 
 
 @dataclass
@@ -35,6 +38,7 @@ class Recipe:
     block_size: int | None = None
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
     head_bits: int | None = None  # None: head/embedding stay fp32
+    symmetric: bool = False  # no zero points: code * scale (every table, the head's too)
 
     @property
     def head_block_size(self) -> int | None:
@@ -53,7 +57,7 @@ class Recipe:
                 head_bits=self.head_bits,
                 head_block_size=self.head_block_size,
                 position_table_bits=8,
-                symmetric=False,
+                symmetric=self.symmetric,
                 op="com.microsoft.MatMulNBits",
             )
         else:
@@ -67,6 +71,7 @@ def make_recipe(
     accuracy_level: int | None = None,
     head_bits: int | None = None,
     keep_head_fp32: bool = False,
+    symmetric: bool | None = None,
 ) -> Recipe:
     """Validate the options of a mode and fill in its defaults."""
     from gpt2edge.quantize.primitives import check_block_size
@@ -74,8 +79,10 @@ def make_recipe(
     if mode not in MODES:
         raise QuantizeError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")
     if mode == "fp16":
-        if block_size or head_bits or keep_head_fp32:
-            raise QuantizeError("--block-size, --head-bits and --keep-head-fp32 apply to int8/int4, not fp16.")
+        if block_size or head_bits or keep_head_fp32 or symmetric is not None:
+            raise QuantizeError(
+                "--block-size, --head-bits, --keep-head-fp32 and --symmetric/--asymmetric apply to int8/int4, not fp16."
+            )
         return Recipe("fp16")
     block_size = block_size or DEFAULT_BLOCK_SIZE[mode]
     check_block_size(block_size)
@@ -89,7 +96,9 @@ def make_recipe(
         raise QuantizeError(f"--head-bits must be 4 or 8, got {head_bits}.")
     if mode == "int8" and head_bits == 4:
         raise QuantizeError("--head-bits 4 is for int4; an int8 model keeps its head at 8 bits or fp32.")
-    return Recipe(mode, block_size, accuracy_level, None if keep_head_fp32 else (head_bits or 8))
+    if symmetric is None:
+        symmetric = DEFAULT_SYMMETRIC[mode]
+    return Recipe(mode, block_size, accuracy_level, None if keep_head_fp32 else (head_bits or 8), symmetric)
 
 
 def quantize_model(
@@ -142,7 +151,13 @@ def quantize_model(
 
             bits = 8 if recipe.mode == "int8" else 4
             variant = quantize_weights(
-                model, bits, recipe.block_size, recipe.head_bits, recipe.head_block_size or 0, recipe.accuracy_level
+                model,
+                bits,
+                recipe.block_size,
+                recipe.head_bits,
+                recipe.head_block_size or 0,
+                recipe.accuracy_level,
+                recipe.symmetric,
             )
         del model
         bar.update()
