@@ -24,7 +24,7 @@ for variant in fp32-shared int8 int8-shared int4 int4-shared fp16; do
     gpt2edge bench "$out/$variant" --threads 2 --json > "$out/bench-$variant.json"
 done
 for variant in fp32 fp32-shared; do
-    gpt2edge bench "$out/$variant" --threads 2 --repeat 2 --prompt-len 32 --new-tokens 16 --sweep \
+    gpt2edge bench "$out/$variant" --threads 2 --repeat 5 --prompt-len 32 --new-tokens 16 --sweep \
         --plot "$out/sweep-$variant.png" --json > "$out/sweep-$variant.json"
 done
 python benchmarks/int8_methods.py "$out/fp32" --threads 2 --repeat 3 > "$out/int8-methods.txt"
