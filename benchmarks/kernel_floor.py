@@ -24,8 +24,7 @@ import numpy as np
 
 C, LAYERS, VOCAB = 768, 12, 50257
 BLOCK_SHAPES = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]  # (K, N): qkv, attn proj, fc, fc proj
-# precision -> (weight bits, block, symmetric, head bits, head block): the defaults of `gpt2edge quantize`
-RECIPES = {"fp32": None, "int8": (8, 128, False, 8, 128), "int4": (4, 32, True, 8, 128)}
+PRECISIONS = ("fp32", "int8", "int4")  # int8/int4 with the default recipes of `gpt2edge quantize`
 
 
 def _weight(rng: np.random.Generator, K: int, N: int) -> np.ndarray:
@@ -36,27 +35,29 @@ def build_graph(precision: str, head: bool = True):
     """(model bytes, ONNX model) of one decode step's weight matmuls at `precision` (rows of x: tokens)."""
     from onnx import TensorProto, helper, numpy_helper
 
+    from gpt2edge.quantize import make_recipe
     from gpt2edge.quantize.primitives import quantize_blockwise
 
+    recipe = None if precision == "fp32" else make_recipe(precision)
     rng = np.random.default_rng(0)
     nodes, inits, nbytes = [], [], 0
 
     def matmul(inp: str, K: int, N: int, name: str, head: bool = False) -> str:
         nonlocal nbytes
         w, out = _weight(rng, K, N), f"{name}.y"
-        recipe = RECIPES[precision]
         if recipe is None:
             inits.append(numpy_helper.from_array(w, f"{name}.w"))
             nodes.append(helper.make_node("MatMul", [inp, f"{name}.w"], [out]))
             nbytes += w.nbytes
             return out
-        bits, block, symmetric = (recipe[3], recipe[4], recipe[2]) if head else recipe[:3]
-        q = quantize_blockwise(w, bits, block, symmetric)
+        bits = recipe.head_bits if head else (8 if recipe.mode == "int8" else 4)
+        block = recipe.head_block_size if head else recipe.block_size
+        q = quantize_blockwise(w, bits, block, recipe.symmetric)
         arrays = [(f"{name}.q", q.packed), (f"{name}.s", q.scales)]
         if q.zero_points is not None:
             arrays.append((f"{name}.z", q.zero_points))
         inits.extend(numpy_helper.from_array(a, n) for n, a in arrays)
-        attrs = dict(K=K, N=N, bits=bits, block_size=block, accuracy_level=4)
+        attrs = dict(K=K, N=N, bits=bits, block_size=block, accuracy_level=recipe.accuracy_level)
         nodes.append(
             helper.make_node("MatMulNBits", [inp, *(n for n, _ in arrays)], [out], domain="com.microsoft", **attrs)
         )
@@ -161,7 +162,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     ctx = mp.get_context("spawn")
-    for precision in RECIPES:
+    for precision in PRECISIONS:
         with ctx.Pool(1) as pool:
             rows.append(pool.apply(measure, (precision, args.threads, args.repeat)))
     with ctx.Pool(1) as pool:
