@@ -197,8 +197,8 @@ class ExportableGPT2(nn.Module):
         return (torch.log_softmax(logits.float(), dim=-1), *presents)
 
     def _fused_blocks(self, x, past, allowed):
-        """The blocks as ONNX Runtime's fused ops (fused_ops.py): same maths, ~9 nodes per layer, and the
-        attention writes the cache in place. Each residual add is fused with the LayerNorm that follows it."""
+        """The blocks as ONNX Runtime's fused ops (fused_ops.py): same maths, ~11 nodes per layer, and the
+        attention writes the cache in place. Each residual add travels with the LayerNorm that follows it."""
         eps = self.dims.layer_norm_epsilon
         floor = torch.finfo(x.dtype).min / 2  # finite after adding a score: a padded query gets no NaN
         bias = torch.where(allowed, 0.0, floor).to(x.dtype)  # (B, 1, S, T) additive mask, shared by every layer
