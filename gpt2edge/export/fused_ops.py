@@ -1,14 +1,13 @@
 """The shared-cache graph's fused ops: PyTorch reference implementations that export as ONNX Runtime's
 `com.microsoft` kernels, one node where the plain graph has many.
-The residual add + LayerNorm stays two Adds and the standard LayerNormalization: ONNX Runtime's fused
-SkipLayerNormalization costs the same per decode step but ~4x more at a 128-token prefill on AVX2 (measured:
-7.5 ms against 2.8 ms over 24 norms).
+The residual adds and LayerNorms stay plain PyTorch (Add + the standard LayerNormalization): ONNX Runtime's
+fused SkipLayerNormalization costs the same per decode step but ~4x more at a 128-token prefill on AVX2
+(measured: 7.5 ms against 2.8 ms over 24 norms).
 
 | custom op | PyTorch (validation compares against it) | exported as |
 |---|---|---|
 | attention_lengths | each row's last slot, the total length | Shape/Sub/Cast, once per step |
 | fused_attention | write new k/v into the cache buffer, attend over valid slots | GroupQueryAttention |
-| skip_layer_norm | LayerNorm(x + skip + bias), and the sum (next residual) | Add, Add, LayerNormalization |
 | bias_gelu | GELU(x + bias), tanh or erf form | FastGelu / BiasGelu |
 
 fused_attention contract (T = the attention mask's length = past tokens + S new ones):
@@ -75,19 +74,6 @@ def _(qkv, past_k, past_v, bias, last_slot, total, n_head, scale):
     return qkv.new_empty(B, S, C3 // 3), past_k.new_empty(B, nh, slots, hs), past_v.new_empty(B, nh, slots, hs)
 
 
-@torch.library.custom_op("gpt2edge::skip_layer_norm", mutates_args=())
-def skip_layer_norm(
-    x: torch.Tensor, skip: torch.Tensor, bias: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    total = x + skip + bias
-    return F.layer_norm(total, total.shape[-1:], gamma, beta, eps), total
-
-
-@skip_layer_norm.register_fake
-def _(x, skip, bias, gamma, beta, eps):
-    return torch.empty_like(x), torch.empty_like(x)
-
-
 @torch.library.custom_op("gpt2edge::bias_gelu", mutates_args=())
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
     return F.gelu(x + bias, approximate="tanh" if tanh else "none")
@@ -127,11 +113,6 @@ def onnx_translation() -> dict:
             num_heads=n_head, kv_num_heads=n_head, scale=scale,
         )  # fmt: skip
 
-    def skip_layer_norm_onnx(x, skip, bias, gamma, beta, eps: float):
-        total = op.Add(op.Add(x, bias), skip)  # the next residual
-        normed, _mean, _inv_std = op.LayerNormalization(total, gamma, beta, axis=-1, epsilon=eps)
-        return normed, total
-
     def bias_gelu_onnx(x, bias, tanh: bool):
         return fast_gelu(x, bias) if tanh else erf_gelu(x, bias)
 
@@ -139,7 +120,6 @@ def onnx_translation() -> dict:
     return {
         ops.attention_lengths.default: attention_lengths_onnx,
         ops.fused_attention.default: fused_attention_onnx,
-        ops.skip_layer_norm.default: skip_layer_norm_onnx,
         ops.bias_gelu.default: bias_gelu_onnx,
     }
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt2edge.errors import CheckpointError
-from gpt2edge.export.fused_ops import attention_lengths, bias_gelu, fused_attention, skip_layer_norm
+from gpt2edge.export.fused_ops import attention_lengths, bias_gelu, fused_attention
 
 # Activations GPT-2 configs use, mapped to the torch function that reproduces transformers' ACT2FN.
 _ACTIVATIONS = {
@@ -197,31 +197,27 @@ class ExportableGPT2(nn.Module):
         return (torch.log_softmax(logits.float(), dim=-1), *presents)
 
     def _fused_blocks(self, x, past, allowed):
-        """The blocks as ONNX Runtime's fused ops (fused_ops.py): same maths, ~11 nodes per layer, and the
-        attention writes the cache in place. Each residual add travels with the LayerNorm that follows it."""
-        eps = self.dims.layer_norm_epsilon
+        """The blocks with ONNX Runtime's fused attention and GELU (fused_ops.py): same maths, ~11 nodes per
+        layer, and the attention writes the cache in place."""
         floor = torch.finfo(x.dtype).min / 2  # finite after adding a score: a padded query gets no NaN
         bias = torch.where(allowed, 0.0, floor).to(x.dtype)  # (B, 1, S, T) additive mask, shared by every layer
         last_slot, total = attention_lengths(bias)
         act = self.dims.activation
-        h, presents = self.h[0].ln_1(x), []
+        presents = []
         for i, block in enumerate(self.h):
             attn, mlp = block.attn, block.mlp
-            past_k, past_v = past[2 * i], past[2 * i + 1]
-            y, k, v = fused_attention(attn.c_attn(h), past_k, past_v, bias, last_slot, total, attn.n_head, attn.scale)
+            qkv = attn.c_attn(block.ln_1(x))  # (B, S, 3C)
+            y, k, v = fused_attention(
+                qkv, past[2 * i], past[2 * i + 1], bias, last_slot, total, attn.n_head, attn.scale
+            )
             presents += [k, v]
-            # x = x + attention output; h = ln_2(x)
-            h, x = skip_layer_norm(y @ attn.c_proj.weight, x, attn.c_proj.bias, block.ln_2.weight, block.ln_2.bias, eps)
+            x = x + attn.c_proj(y)
+            h = block.ln_2(x)
             if act in _TANH_GELUS or act == "gelu":
                 a = bias_gelu(h @ mlp.c_fc.weight, mlp.c_fc.bias, act in _TANH_GELUS)  # (B, S, n_inner)
             else:
                 a = mlp.act(mlp.c_fc(h))
-            m = a @ mlp.c_proj.weight
-            if i + 1 < len(self.h):  # x = x + MLP output; h = the next block's ln_1(x)
-                nxt = self.h[i + 1].ln_1
-                h, x = skip_layer_norm(m, x, mlp.c_proj.bias, nxt.weight, nxt.bias, eps)
-            else:
-                x = x + m + mlp.c_proj.bias
+            x = x + mlp.c_proj(a)
         return x, presents
 
 
