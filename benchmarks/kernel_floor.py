@@ -37,6 +37,7 @@ def build_graph(precision: str, head: bool = True):
 
     from gpt2edge.quantize import make_recipe
     from gpt2edge.quantize.primitives import quantize_blockwise
+    from gpt2edge.quantize.weight_only import matmulnbits_node
 
     recipe = None if precision == "fp32" else make_recipe(precision)
     rng = np.random.default_rng(0)
@@ -50,17 +51,12 @@ def build_graph(precision: str, head: bool = True):
             nodes.append(helper.make_node("MatMul", [inp, f"{name}.w"], [out]))
             nbytes += w.nbytes
             return out
-        bits = recipe.head_bits if head else (8 if recipe.mode == "int8" else 4)
+        bits = recipe.head_bits if head else recipe.weight_bits
         block = recipe.head_block_size if head else recipe.block_size
         q = quantize_blockwise(w, bits, block, recipe.symmetric)
-        arrays = [(f"{name}.q", q.packed), (f"{name}.s", q.scales)]
-        if q.zero_points is not None:
-            arrays.append((f"{name}.z", q.zero_points))
-        inits.extend(numpy_helper.from_array(a, n) for n, a in arrays)
-        attrs = dict(K=K, N=N, bits=bits, block_size=block, accuracy_level=recipe.accuracy_level)
-        nodes.append(
-            helper.make_node("MatMulNBits", [inp, *(n for n, _ in arrays)], [out], domain="com.microsoft", **attrs)
-        )
+        node, weights = matmulnbits_node(name, inp, name, q, out, recipe.accuracy_level)
+        nodes.extend(node)
+        inits.extend(weights)
         nbytes += q.nbytes
         return out
 
@@ -88,25 +84,31 @@ def build_graph(precision: str, head: bool = True):
     return nbytes, helper.make_model(graph, opset_imports=opsets)
 
 
-def measure(precision: str, threads: int, repeat: int) -> dict:
-    """Runs in its own process: the kernel chain's step ms and the bandwidth probe around it."""
+def _timed_runs(model, threads: int, x: np.ndarray, repeat: int, warmup: int) -> list[float]:
+    """Seconds of each of `repeat` runs of `model` on `x` after `warmup` untimed ones."""
     import onnxruntime as ort
 
-    from gpt2edge.bench.probe import read_bandwidth_gbs
-
-    nbytes, model = build_graph(precision)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    x = np.random.default_rng(1).standard_normal((1, C)).astype(np.float32)
-    probes = [read_bandwidth_gbs(threads)]
-    for _ in range(3):
-        sess.run(None, {"x": x})  # warm-up
+    for _ in range(warmup):
+        sess.run(None, {"x": x})
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         sess.run(None, {"x": x})
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(precision: str, threads: int, repeat: int) -> dict:
+    """Runs in its own process: the kernel chain's step ms and the bandwidth probe around it."""
+    from gpt2edge.bench.probe import read_bandwidth_gbs
+
+    nbytes, model = build_graph(precision)
+    x = np.random.default_rng(1).standard_normal((1, C)).astype(np.float32)
+    probes = [read_bandwidth_gbs(threads)]
+    times = _timed_runs(model, threads, x, repeat, warmup=3)
     probes.append(read_bandwidth_gbs(threads))
     ms = float(np.median(times)) * 1e3
     bandwidth = max(probes)  # the stricter floor, as `gpt2edge bench` takes it
@@ -126,22 +128,12 @@ def measure(precision: str, threads: int, repeat: int) -> dict:
 def measure_prefill(threads: int, repeat: int, tokens: int = 128) -> dict:
     """Runs in its own process: the fp32 block matmuls of a `tokens`-token prefill (the head runs on the last
     position only and is left out) against the matmul probe `gpt2edge bench` uses."""
-    import onnxruntime as ort
-
     from gpt2edge.bench.probe import matmul_gflops
 
     _, model = build_graph("fp32", head=False)
     flops = 2 * tokens * LAYERS * sum(K * N for K, N in BLOCK_SHAPES)
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     x = np.random.default_rng(1).standard_normal((tokens, C)).astype(np.float32)
-    sess.run(None, {"x": x})
-    times = []
-    for _ in range(max(repeat // 3, 3)):
-        t0 = time.perf_counter()
-        sess.run(None, {"x": x})
-        times.append(time.perf_counter() - t0)
+    times = _timed_runs(model, threads, x, max(repeat // 3, 3), warmup=1)
     time.sleep(1.0)  # let ONNX Runtime's spinning threads park before NumPy's BLAS probe
     probe = matmul_gflops()
     ms = float(np.median(times)) * 1e3

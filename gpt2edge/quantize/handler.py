@@ -41,6 +41,11 @@ class Recipe:
     symmetric: bool = False  # no zero points: code * scale (every table, the head's too)
 
     @property
+    def weight_bits(self) -> int | None:
+        """Bits of the weight matrices (int8 / int4); None for fp16."""
+        return {"int8": 8, "int4": 4}.get(self.mode)
+
+    @property
     def head_block_size(self) -> int | None:
         """An 8-bit head uses int8's block size (scales cost 4 bytes per block); a 4-bit head the main one."""
         if self.head_bits is None:
@@ -51,7 +56,7 @@ class Recipe:
         out: dict[str, Any] = {"mode": self.mode}
         if self.mode != "fp16":
             out.update(
-                weight_bits=8 if self.mode == "int8" else 4,
+                weight_bits=self.weight_bits,
                 block_size=self.block_size,
                 accuracy_level=self.accuracy_level,
                 head_bits=self.head_bits,
@@ -149,10 +154,9 @@ def quantize_model(
         else:
             from gpt2edge.quantize.weight_only import quantize_weights
 
-            bits = 8 if recipe.mode == "int8" else 4
             variant = quantize_weights(
                 model,
-                bits,
+                recipe.weight_bits,
                 recipe.block_size,
                 recipe.head_bits,
                 recipe.head_block_size or 0,

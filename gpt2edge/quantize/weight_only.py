@@ -18,7 +18,9 @@ from gpt2edge.quantize.primitives import BlockQuantized, quantize_blockwise, unp
 MS_DOMAIN = "com.microsoft"
 
 
-def _matmulnbits(name: str, a: str, prefix: str, q: BlockQuantized, out: str, accuracy_level: int) -> list:
+def matmulnbits_node(
+    name: str, a: str, prefix: str, q: BlockQuantized, out: str, accuracy_level: int
+) -> tuple[list, list]:
     """The MatMulNBits node for y = a @ W and its initializers (packed, scales, zero points)."""
     inits = [
         numpy_helper.from_array(q.packed, f"{prefix}.q{q.bits}"),
@@ -146,7 +148,7 @@ def quantize_weights(
         else:
             new_nodes.append(n)
             continue
-        nodes, qi = _matmulnbits(n.name, n.input[0], weight, q, n.output[0], accuracy_level)
+        nodes, qi = matmulnbits_node(n.name, n.input[0], weight, q, n.output[0], accuracy_level)
         new_nodes += nodes
         if weight not in packed:
             new_inits += qi
