@@ -91,8 +91,11 @@ def check_output_dir(
     """Refuse a bad OUT before any work starts, so a long export is never lost to it; returns OUT resolved."""
     out = Path(out)
     real = _resolve(out, "output")
-    cwd = Path.cwd().resolve()
-    if real == cwd or real in cwd.parents:
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:  # the current folder was deleted: nothing to protect
+        cwd = None
+    if cwd is not None and (real == cwd or real in cwd.parents):
         raise OutputFolderError(
             f"The output folder {out} is the current folder or holds it; give a new folder name (e.g. {out}/model)."
         )
@@ -228,19 +231,35 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     os.mkdir(dst)
     try:
         os.rename(src, dst)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.rmdir(dst)
+        if isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst)) from e
         raise
+
+
+def _restore(old: Path, out: Path) -> Path:
+    """Put a folder moved aside back at `out`, or beside it when something took its place; returns where."""
+    for dest in (out, out.with_name(f"{out.name}.replaced-{os.getpid()}")):
+        try:
+            rename_noreplace(old / "x", dest)
+        except OSError:
+            continue
+        old.rmdir()
+        return dest
+    return old / "x"
 
 
 def _install(tmp: Path, out: Path, shown: Path, force: bool, kind: Callable[[Path], bool]) -> None:
     """Move the finished folder to `out`, replacing only what --force authorises now."""
-    appeared = f"Output folder {shown} appeared while gpt2edge was writing; it was left untouched and nothing "
+    appeared = (
+        f"Output folder {shown} appeared while gpt2edge was writing; it was left untouched and nothing was written"
+    )
     old = None
     if force and (out.exists() or out.is_symlink()):
         if not _replaceable(out, kind):
-            raise OutputExistsError(appeared + "was written (it is not a gpt2edge folder --force may replace).")
+            raise OutputExistsError(appeared + " (it is not a gpt2edge folder, which --force may replace).")
         old = _make_temp(out.parent, out.name, "old")
         try:
             os.rename(out, old / "x")  # moved aside into a marked folder: a crash from here on leaves it cleanable
@@ -248,18 +267,16 @@ def _install(tmp: Path, out: Path, shown: Path, force: bool, kind: Callable[[Pat
             old.rmdir()
             old = None
         if old is not None and not _replaceable(old / "x", kind):  # changed since the check: put it back
-            rename_noreplace(old / "x", out)
-            old.rmdir()
-            raise OutputExistsError(appeared + "was written.")
+            where = _restore(old, out)
+            raise OutputExistsError(appeared + ("." if where == out else f"; it is now at {where}."))
     try:
         rename_noreplace(tmp, out)
-    except FileExistsError:
-        if old is not None:  # the replaced folder cannot go back: keep it where the user can see it
-            keep = out.with_name(f"{out.name}.replaced-{os.getpid()}")
-            rename_noreplace(old / "x", keep)
-            old.rmdir()
-            raise OutputExistsError(appeared + f"was written; the folder it was to replace is at {keep}.") from None
-        raise OutputExistsError(appeared + "was written. Pass --force to replace it, or choose another path.") from None
+    except OSError as e:
+        where = _restore(old, out) if old is not None else None
+        if not isinstance(e, FileExistsError):
+            raise
+        hint = f" The folder it was to replace is at {where}." if where else " Pass --force to replace it."
+        raise OutputExistsError(appeared + "." + hint) from None
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -288,7 +305,12 @@ def atomic_output_dir(
         raise _write_error(e, shown) from e
     try:
         yield tmp
-        _install(tmp, real, shown, force, kind)
+        try:
+            _install(tmp, real, shown, force, kind)
+        except OSError as e:  # e.g. OUT is a mount point
+            raise OutputFolderError(
+                f"Cannot move the result to {shown} ({e.strerror or e}); nothing was replaced."
+            ) from e
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno in _DISK_FULL:
