@@ -12,8 +12,12 @@ class CheckpointError(Gpt2EdgeError):
     """The source checkpoint cannot be found, is not GPT-2, or has no usable weights."""
 
 
-class OutputExistsError(Gpt2EdgeError):
-    """The output folder exists and --force was not given."""
+class OutputFolderError(Gpt2EdgeError):
+    """The output folder cannot be written: it overlaps the input, its parent is read-only, or the disk is full."""
+
+
+class OutputExistsError(OutputFolderError):
+    """The output folder exists and --force was not given (or does not allow replacing what is there)."""
 
 
 class ExportError(Gpt2EdgeError):

@@ -2,13 +2,22 @@
 
 Everything that runs a folder (runtime, quantize, parity, bench) reads it from here; nothing infers a recipe
 from file names. No torch or onnx import: the runtime uses this on the device.
+
+`Manifest.from_json` turns the JSON into frozen, validated records: every path the folder names is a plain
+relative path that stays inside the folder, and every file that is loaded (graph, its external data, tokenizer,
+generation config) is listed with a checksum.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path, PurePosixPath
+from types import MappingProxyType
 from typing import Any
 
 from gpt2edge.errors import ModelFolderError
@@ -16,12 +25,180 @@ from gpt2edge.errors import ModelFolderError
 MANIFEST_NAME = "manifest.json"
 FORMAT = "gpt2edge-export"
 FORMAT_VERSION = 1
+GENERATION_CONFIG = "generation_config.json"
 
 # graph kinds a manifest may describe (graph.head, graph.kv_cache), and what computes attention in each
 # (graph.attention): the exporter writes these, the CLI offers them, the runtime checks them
 HEAD_MODES = ("last", "all")
 KV_CACHE_MODES = ("concat", "shared")
 ATTENTION_OPS = {"concat": "onnx", "shared": "com.microsoft.GroupQueryAttention"}
+
+
+def check_relpath(value: Any, where: str) -> str:
+    """A path named by a manifest: a normalised relative POSIX path with no '..', or a ModelFolderError."""
+    bad = None
+    if not isinstance(value, str) or not value:
+        bad = "is not a file name"
+    elif "\0" in value or "\\" in value or ":" in value:
+        bad = "has a NUL byte, backslash or colon"
+    else:
+        p = PurePosixPath(value)
+        if p.is_absolute():
+            bad = "is absolute"
+        elif not p.parts or ".." in p.parts or p.as_posix() != value:
+            bad = "leaves the folder or is not normalised"
+    if bad:
+        raise ModelFolderError(f"{where}: the path {value!r} {bad}; a model folder names only files inside it.")
+    return value
+
+
+def resolve_inside(folder: Path, rel: str) -> Path:
+    """folder/rel with symlinks resolved, refused when it lands outside the folder."""
+    root = Path(os.path.realpath(folder))
+    target = Path(os.path.realpath(root / check_relpath(rel, str(folder))))
+    if target == root or not target.is_relative_to(root):
+        raise ModelFolderError(f"{folder}: {rel} points outside the folder (a symlink?); re-export the model.")
+    return target
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The model dimensions the runtime needs; `dims["n_layer"]` still works for older callers."""
+
+    n_layer: int
+    n_head: int
+    n_embd: int
+    head_dim: int
+    vocab_size: int
+    n_positions: int
+    n_inner: int
+    layer_norm_epsilon: float = 1e-5
+    activation: str = "gelu_new"
+    attn_scale_by_layer: bool = False
+    scale_attn_weights: bool = True
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> ModelDims:
+        if not isinstance(d, dict):
+            raise ModelFolderError(f"{where} has no model dims; re-export the model.")
+        ints = {}
+        for k in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "head_dim", "n_inner"):
+            v = d.get(k)
+            if v is None and k in ("head_dim", "n_inner"):
+                continue  # older manifests: derived below
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ModelFolderError(f"{where}: dims.{k} must be a positive integer, got {v!r}; re-export.")
+            ints[k] = v
+        ints.setdefault("head_dim", ints["n_embd"] // ints["n_head"])
+        ints.setdefault("n_inner", 4 * ints["n_embd"])
+        extra = {f.name: d[f.name] for f in fields(cls) if f.name not in ints and f.name in d}
+        return cls(**ints, **extra)
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self.keys() else default
+
+    def keys(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GraphInfo:
+    """The ONNX graph of a folder: its files (the .onnx first) and what kind of graph it is."""
+
+    file: str
+    files: tuple[str, ...]
+    head: str = "last"
+    kv_cache: str = "concat"
+    attention: str | None = None
+    precision: str = "fp32"
+    kv_dtype: str = "float32"
+    opset: int | None = None
+    decode_weight_bytes: int | None = None
+
+    @classmethod
+    def from_json(cls, g: Any, where: str) -> GraphInfo:
+        if not isinstance(g, dict) or "file" not in g:
+            raise ModelFolderError(f"{where} has no graph description; re-export the model.")
+        file = check_relpath(g["file"], where)
+        files = g.get("files", [file])
+        if not isinstance(files, list) or file not in files:
+            raise ModelFolderError(f"{where}: graph.files must be a list that holds graph.file; re-export.")
+        info = cls(
+            file=file,
+            files=tuple(check_relpath(f, where) for f in files),
+            **{k: g[k] for k in ("head", "kv_cache", "attention", "precision", "kv_dtype", "opset") if k in g},
+            decode_weight_bytes=g.get("decode_weight_bytes"),
+        )
+        for name, value, allowed in (("head", info.head, HEAD_MODES), ("kv_cache", info.kv_cache, KV_CACHE_MODES)):
+            if value not in allowed:
+                raise ModelFolderError(f"{where}: unknown graph.{name} {value!r}; re-export the model.")
+        if not isinstance(info.precision, str) or not isinstance(info.kv_dtype, str):
+            raise ModelFolderError(f"{where}: graph.precision and graph.kv_dtype must be strings; re-export.")
+        return info
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest.json; `raw` keeps the JSON for fields nothing reads typed (source, reports)."""
+
+    format_version: int
+    dims: ModelDims
+    graph: GraphInfo
+    tokenizer: str
+    files: Mapping[str, FileDigest]
+    raw: Mapping[str, Any]
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = MANIFEST_NAME) -> Manifest:
+        """Check the format and every path and checksum entry; a ModelFolderError says what is wrong."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ModelFolderError(f"{where} is not a gpt2edge manifest; re-export the model with `gpt2edge export`.")
+        version = data.get("format_version", 0)
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise ModelFolderError(
+                f"{where} was written by a newer gpt2edge (manifest format {version!r}); upgrade gpt2edge."
+            )
+        raw_files = data.get("files", {})
+        if not isinstance(raw_files, dict):
+            raise ModelFolderError(f"{where}: 'files' must map file names to checksums; re-export the model.")
+        files = {}
+        for rel, d in raw_files.items():
+            check_relpath(rel, where)
+            ok = isinstance(d, dict) and isinstance(d.get("sha256"), str) and type(d.get("size")) is int
+            if not ok or d["size"] < 0:
+                raise ModelFolderError(f"{where}: the checksum entry of {rel} is malformed; re-export the model.")
+            files[rel] = FileDigest(d["sha256"], d["size"])
+        graph = GraphInfo.from_json(data.get("graph"), where)
+        tokenizer = check_relpath(data.get("tokenizer", "tokenizer.json"), where)
+        # every file that is loaded must be checksummed, or --verify would not cover it
+        for rel in (*graph.files, tokenizer):
+            if rel not in files:
+                raise ModelFolderError(f"{where}: {rel} is loaded but not listed in 'files'; re-export the model.")
+        dims = ModelDims.from_json(data.get("dims"), where)
+        return cls(version, dims, graph, tokenizer, MappingProxyType(files), MappingProxyType(data))
+
+    def loaded_files(self) -> tuple[str, ...]:
+        """Every file the runtime opens: the graph files, the tokenizer, the generation config when listed."""
+        extra = (GENERATION_CONFIG,) if GENERATION_CONFIG in self.files else ()
+        return (*self.graph.files, self.tokenizer, *extra)
+
+    def model_bytes(self) -> int:
+        """Bytes of the graph files (the .onnx and its external data)."""
+        return sum(self.files[f].size for f in self.graph.files)
 
 
 def file_digest(path: Path) -> dict[str, Any]:
@@ -39,22 +216,45 @@ def digest_folder(folder: Path) -> dict[str, dict[str, Any]]:
     return {
         p.relative_to(folder).as_posix(): file_digest(p)
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST_NAME
+        if p.is_file() and not p.is_symlink() and p.name != MANIFEST_NAME
     }
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a temp file beside `path`, flush it to disk, then rename it over: readers see old or new, never half."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Fill in the file digests and write manifest.json; returns the manifest as written."""
+    """Fill in the file digests and write manifest.json (atomically); returns the manifest as written."""
     manifest = dict(manifest)
     manifest["format"] = FORMAT
     manifest["format_version"] = FORMAT_VERSION
     manifest["files"] = digest_folder(folder)
-    (Path(folder) / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    Manifest.from_json(manifest, str(Path(folder) / MANIFEST_NAME))  # never write one the reader refuses
+    write_text_atomic(Path(folder) / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=False) + "\n")
     return manifest
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
-    """Load and sanity-check manifest.json, raising a ModelFolderError that says what is wrong."""
+def load_manifest(folder: Path) -> Manifest:
+    """Load and validate manifest.json, raising a ModelFolderError that says what is wrong."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelFolderError(f"Model folder {folder} does not exist (make one with `gpt2edge export`).")
@@ -63,36 +263,43 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise ModelFolderError(
             f"{folder} is not a gpt2edge export: it has no {MANIFEST_NAME} (make one with `gpt2edge export`)."
         )
+    resolve_inside(folder, MANIFEST_NAME)
     try:
-        manifest = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelFolderError(f"{path} is not valid JSON ({e}); re-export the model.") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ModelFolderError(f"{path} is not a gpt2edge manifest; re-export the model with `gpt2edge export`.")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise ModelFolderError(
-            f"{folder} was written by a newer gpt2edge (manifest format {manifest['format_version']}); "
-            "upgrade gpt2edge."
-        )
-    return manifest
+    return Manifest.from_json(data, str(path))
 
 
-def graph_files(manifest: dict[str, Any]) -> list[str]:
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The validated manifest.json as a plain dict (see `load_manifest` for the typed form)."""
+    return dict(load_manifest(folder).raw)
+
+
+def graph_files(manifest: dict[str, Any] | Manifest) -> list[str]:
     """The files of the graph: the .onnx and, for graphs over 2 GB, its external data."""
-    graph = manifest["graph"]
-    return graph.get("files", [graph["file"]])
+    if isinstance(manifest, Manifest):
+        return list(manifest.graph.files)
+    return list(GraphInfo.from_json(manifest.get("graph"), MANIFEST_NAME).files)
 
 
-def verify_files(folder: Path, manifest: dict[str, Any]) -> None:
-    """Check every file listed in the manifest exists with the recorded size and sha256."""
-    folder = Path(folder)
-    for rel, expected in manifest.get("files", {}).items():
-        p = folder / rel
-        if not p.is_file():
+def check_present(folder: Path, names: tuple[str, ...] | list[str]) -> None:
+    """Each named file is a regular file inside the folder (what --no-verify still checks)."""
+    for rel in names:
+        if not resolve_inside(folder, rel).is_file():
             raise ModelFolderError(f"{folder} is incomplete: {rel} is listed in the manifest but missing.")
-        actual = file_digest(p)
-        if actual != expected:
+
+
+def verify_files(folder: Path, manifest: dict[str, Any] | Manifest) -> None:
+    """Check every file listed in the manifest is inside the folder with the recorded size and sha256."""
+    folder = Path(folder)
+    if not isinstance(manifest, Manifest):
+        manifest = Manifest.from_json(manifest, str(folder / MANIFEST_NAME))
+    for rel, expected in manifest.files.items():
+        check_present(folder, [rel])
+        p = resolve_inside(folder, rel)
+        if file_digest(p) != asdict(expected):
             raise ModelFolderError(
-                f"{p} does not match its manifest checksum (modified or corrupted); re-export the model, "
+                f"{folder / rel} does not match its manifest checksum (modified or corrupted); re-export the model, "
                 "or pass --no-verify to skip the check."
             )

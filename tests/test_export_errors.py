@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -60,9 +61,9 @@ def test_folder_without_weights(tmp_path, tiny_checkpoint):
     assert not (tmp_path / "out").exists()
 
 
-def test_existing_output_needs_force(tmp_path, tiny_checkpoint):
+def test_existing_output_needs_force(tmp_path, tiny_checkpoint, tiny_export):
     out = tmp_path / "out"
-    out.mkdir()
+    shutil.copytree(tiny_export, out)  # an earlier export: the only kind of folder --force replaces
     (out / "keep.txt").write_text("mine")
     r = export_cli("-m", tiny_checkpoint, out)
     assert_failed(r, "already exists", "--force")

@@ -73,7 +73,8 @@ def export_model(
         raise ExportError(f"Unknown KV cache mode '{kv_cache}'; choose one of {', '.join(KV_CACHE_MODES)}.")
     if not atol > 0:
         raise ExportError(f"--atol must be positive, got {atol}.")
-    check_output_dir(out, force)
+    sources = [source, tokenizer]  # local ones must not overlap OUT (a hub id matches no path)
+    check_output_dir(out, force, sources)
 
     checks: list[Check] = []
     # the bar closes (and clears itself) on any error, so a failure prints one clean line
@@ -82,7 +83,7 @@ def export_model(
         ckpt = load_checkpoint(source, revision=revision, tokenizer_source=tokenizer)
         model = from_hf_model(ckpt.model, head=head, kv_cache=kv_cache)
         steps.update()
-        with atomic_output_dir(out, force=force) as tmp:
+        with atomic_output_dir(out, force=force, sources=sources) as tmp:
             steps.set_postfix_str("tracing to ONNX")
             graph_files = export_graph(model, tmp / MODEL_FILE, opset=opset)
             steps.update()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpt2edge.errors import CheckpointError
-from gpt2edge.folder import atomic_output_dir
+from gpt2edge.folder import atomic_output_dir, is_checkpoint_folder
 from gpt2edge.sample_text import SAMPLE_TEXT
 
 EOS = "<|endoftext|>"
@@ -55,7 +55,7 @@ def make_random_checkpoint(
     config = GPT2Config(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, **shape)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).eval()
-    with atomic_output_dir(Path(out), force=force) as tmp:
+    with atomic_output_dir(Path(out), force=force, sources=[tokenizer_dir], kind=is_checkpoint_folder) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, do_sample=False).save_pretrained(tmp)

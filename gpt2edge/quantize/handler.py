@@ -10,15 +10,15 @@ import shutil
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tqdm import tqdm
 
 import gpt2edge
 from gpt2edge.errors import QuantizeError
-from gpt2edge.folder import atomic_output_dir, check_output_dir
-from gpt2edge.manifest import graph_files, read_manifest, verify_files, write_manifest
+from gpt2edge.folder import atomic_output_dir, check_output_dir, check_sources
+from gpt2edge.manifest import graph_files, load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
 
 # bits of the widest tensor each precision stores; a variant can only be made from a wider parent
@@ -122,31 +122,30 @@ def quantize_model(
     from gpt2edge.quality import compare_folders, print_report
 
     src, out = Path(src), Path(out)
-    parent = read_manifest(src)
-    if src.resolve() == out.resolve():
-        raise QuantizeError("The output folder is the input folder; quantize writes a new folder (-o elsewhere).")
-    precision = parent["graph"].get("precision", "fp32")
+    info = load_manifest(src)  # every path it names stays inside src
+    parent = dict(info.raw)
+    check_sources(out, [src])  # -o equal to, inside or holding MODEL_DIR: --force would delete the input
+    precision = info.graph.precision
     if precision != "fp32":
-        hint = "it would not shrink it" if WIDTH[recipe.mode] >= WIDTH[precision] else "errors would compound"
+        hint = "it would not shrink it" if WIDTH[recipe.mode] >= WIDTH.get(precision, 0) else "errors would compound"
         raise QuantizeError(
             f"{src} is already {precision}; quantizing it to {recipe.mode} is refused ({hint}). "
             f"Quantize its fp32 parent ({parent.get('quantization', {}).get('parent', {}).get('path', '?')})."
         )
-    if parent["graph"].get("head", "last") != "last":
+    if info.graph.head != "last":
         raise QuantizeError(f"{src} is a --head all (scoring) export; quantize a generation export (--head last).")
-    if recipe.mode == "fp16" and parent["graph"].get("kv_cache") == "shared":
+    if recipe.mode == "fp16" and info.graph.kv_cache == "shared":
         raise QuantizeError(
             f"{src} is a shared-cache export (the CPU fast path); fp16 would put casts around its in-place cache. "
             "Make fp16 from a --kv-cache concat export, or use int8/int4 here."
         )
-    check_output_dir(out, force)
-    verify_files(src, parent)
+    check_output_dir(out, force, sources=[src])
+    verify_files(src, info)
 
-    graph = parent["graph"]
     with tqdm(
         total=3 if report else 2, desc=f"quantize {recipe.mode}", unit="step", file=sys.stderr, leave=False
     ) as bar:
-        model = onnx.load(str(src / graph["file"]))
+        model = onnx.load(str(resolve_inside(src, info.graph.file)))
         if recipe.mode == "fp16":
             from gpt2edge.quantize.half import to_fp16
 
@@ -165,14 +164,17 @@ def quantize_model(
             )
         del model
         bar.update()
-        with atomic_output_dir(out, force=force) as tmp:
+        with atomic_output_dir(out, force=force, sources=[src]) as tmp:
             from gpt2edge.quantize.graph import save_model
 
-            files = save_model(variant, tmp / graph["file"])
+            graph_dir = PurePosixPath(info.graph.file).parent  # "." unless the parent keeps its graph in a subfolder
+            (tmp / graph_dir).mkdir(parents=True, exist_ok=True)
+            files = [(graph_dir / f).as_posix() for f in save_model(variant, tmp / info.graph.file)]
             del variant
-            for name in parent["files"]:
-                if name not in graph_files(parent):
-                    shutil.copy2(src / name, tmp / name)  # tokenizer and configs, unchanged
+            for name in info.files:
+                if name not in info.graph.files:  # tokenizer and configs, unchanged
+                    (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(resolve_inside(src, name), tmp / name)
             bar.update()
             manifest = write_manifest(tmp, _variant_manifest(parent, src, recipe, files, tmp))
             if report:

@@ -10,72 +10,97 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import ModelFolderError
-from gpt2edge.manifest import ATTENTION_OPS, graph_files, read_manifest, verify_files
+from gpt2edge.manifest import (
+    ATTENTION_OPS,
+    GENERATION_CONFIG,
+    GraphInfo,
+    Manifest,
+    ModelDims,
+    check_present,
+    load_manifest,
+    resolve_inside,
+    verify_files,
+)
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelFolder:
     path: Path
-    manifest: dict[str, Any]
+    info: Manifest  # the typed, validated manifest
 
     @classmethod
     def open(cls, path: str | Path, verify: bool = True) -> ModelFolder:
-        """Read the manifest and (by default) check every file's sha256 before anything is loaded."""
+        """Read the manifest and check every file it will load: sha256 by default, presence with verify=False.
+
+        Either way every path resolves inside the folder (symlinks included), so nothing outside is loaded.
+        """
         path = Path(path)
-        manifest = read_manifest(path)
-        graph = manifest.get("graph")
-        if not isinstance(graph, dict) or "file" not in graph or "dims" not in manifest:
-            raise ModelFolderError(f"{path}/manifest.json has no graph description; re-export the model.")
+        info = load_manifest(path)
         if verify:
-            verify_files(path, manifest)
-        elif not (path / graph["file"]).is_file():
-            raise ModelFolderError(f"{path} is incomplete: {graph['file']} is missing.")
-        if graph.get("kv_dtype", "float32") not in _DTYPES:
-            raise ModelFolderError(f"{path}: unsupported KV cache dtype {graph.get('kv_dtype')!r}.")
-        kv_cache = graph.get("kv_cache", "concat")
-        if kv_cache == "shared" and graph.get("attention") != ATTENTION_OPS[kv_cache]:
+            verify_files(path, info)
+        check_present(path, info.loaded_files())
+        if info.graph.kv_dtype not in _DTYPES:
+            raise ModelFolderError(f"{path}: unsupported KV cache dtype {info.graph.kv_dtype!r}.")
+        if info.graph.kv_cache == "shared" and info.graph.attention != ATTENTION_OPS["shared"]:
             raise ModelFolderError(
                 f"{path} is a shared-cache export from an older gpt2edge (its graph returns only the new "
                 "cache entries); export it again with --kv-cache shared."
             )
-        return cls(path=path, manifest=manifest)
+        return cls(path=path, info=info)
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The manifest as plain JSON (for fields with no typed form: source, quantization, quality)."""
+        return dict(self.info.raw)
+
+    @property
+    def graph(self) -> GraphInfo:
+        return self.info.graph
+
+    @property
+    def dims(self) -> ModelDims:
+        return self.info.dims
 
     @property
     def graph_path(self) -> Path:
-        return self.path / self.manifest["graph"]["file"]
+        return resolve_inside(self.path, self.info.graph.file)
 
     @property
     def tokenizer_path(self) -> Path:
-        return self.path / self.manifest.get("tokenizer", "tokenizer.json")
-
-    @property
-    def dims(self) -> dict[str, Any]:
-        return self.manifest["dims"]
+        return resolve_inside(self.path, self.info.tokenizer)
 
     @property
     def head(self) -> str:
-        return self.manifest["graph"].get("head", "last")
+        return self.info.graph.head
 
     @property
     def kv_cache(self) -> str:
         """ "concat" or "shared" (see gpt2edge.manifest.KV_CACHE_MODES)."""
-        return self.manifest["graph"].get("kv_cache", "concat")
+        return self.info.graph.kv_cache
 
     @property
     def kv_dtype(self) -> type:
-        return _DTYPES[self.manifest["graph"].get("kv_dtype", "float32")]
+        return _DTYPES[self.info.graph.kv_dtype]
 
     @property
     def precision(self) -> str:
-        return self.manifest["graph"].get("precision", "fp32")
+        return self.info.graph.precision
 
     def generation_defaults(self) -> dict[str, Any]:
-        """generation_config.json of the source checkpoint, or {} when it has none."""
-        p = self.path / "generation_config.json"
-        return json.loads(p.read_text()) if p.is_file() else {}
+        """generation_config.json of the source checkpoint when the manifest lists it (so it was verified), else {}."""
+        if GENERATION_CONFIG not in self.info.files:
+            return {}
+        p = resolve_inside(self.path, GENERATION_CONFIG)
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelFolderError(f"{p} cannot be read as JSON ({e}); re-export the model.") from e
+        if not isinstance(data, dict):
+            raise ModelFolderError(f"{p} is not a JSON object; re-export the model.")
+        return data
 
     def model_bytes(self) -> int:
         """Bytes of the graph files (the .onnx and its external data), as listed in the manifest."""
-        return sum(self.manifest["files"][f]["size"] for f in graph_files(self.manifest))
+        return self.info.model_bytes()
