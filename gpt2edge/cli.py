@@ -358,6 +358,48 @@ def bench(
         click.echo(f"{'context ' + str(row['context']):<32} {row['decode_ms_per_token']:.2f} ms/token")
 
 
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("text_file", default="-", type=click.File("rb"))
+@click.option("--max-length", type=click.IntRange(min=2), default=None, help="Window length [default: n_positions].")
+@click.option("--stride", type=click.IntRange(min=1), default=None, help="Window start step [default: max-length/2].")
+@click.option(
+    "--method",
+    type=click.Choice(["auto", "head-all", "token-by-token"]),
+    default="auto",
+    show_default=True,
+    help="auto: one pass per window on a --head all export, else token by token through the KV cache.",
+)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--threads", type=click.IntRange(1, 1024), default=None, help="Intra-op threads.")
+@click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with per-token log-probs on stdout.")
+@friendly_errors
+def score(model_dir, text_file, max_length, stride, method, device, threads, no_verify, as_json) -> None:
+    """Log-likelihood and perplexity of the text in TEXT_FILE (default: stdin) under MODEL_DIR."""
+    from gpt2edge.errors import GenerationError
+    from gpt2edge.runtime.model_folder import ModelFolder
+    from gpt2edge.runtime.score import Scorer
+
+    try:
+        text = text_file.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GenerationError(f"{text_file.name} is not UTF-8 text ({e.reason} at byte {e.start}).") from e
+    scorer = Scorer(ModelFolder.open(model_dir, verify=not no_verify), device=device, threads=threads)
+    result = scorer.score(text, max_length=max_length, stride=stride, method=method)
+    if as_json:
+        print_json(result.to_json())
+        return
+    click.echo(f"tokens          {result.tokens} ({result.scored_tokens} scored, {result.windows} window(s))")
+    click.echo(f"log-likelihood  {result.log_likelihood:.4f} nats")
+    click.echo(f"mean NLL        {result.mean_nll:.4f} nats/token")
+    click.echo(f"perplexity      {result.perplexity:.4f}")
+    click.echo(
+        f"method          {result.method} (max_length {result.max_length}, stride {result.stride}; "
+        f"{result.tokens_per_s:.0f} tokens/s)"
+    )
+
+
 def _print_timings(t: dict, n_tokens: int) -> None:
     click.echo(
         f"[{n_tokens} tokens | prefill {t['prefill_ms']:.1f} ms | decode {t['decode_ms_per_token']:.2f} ms/token | "
