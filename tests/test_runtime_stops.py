@@ -87,6 +87,16 @@ def test_plain_string_stop_is_one_stop_string(gen, script):
     assert r.finish_reason == "stop" and r.text == "Hello wide " == "".join(pieces)
 
 
+def test_loop_treats_a_plain_string_as_one_stop_string(gen, script):
+    """The generate loop itself (bench, quality and other callers build SamplingParams directly)."""
+    from gpt2edge.runtime import SamplingParams
+
+    ids = script("Hello wide world, we wait")
+    params = SamplingParams(max_new_tokens=len(ids), stop="world")
+    state = generate_module.generate(gen.lm, gen.tokenizer, [gen.tokenizer.encode("Say:")], params, pad_id=0)
+    assert state.finish_reasons == ["stop"] and state.texts[0].text == "Hello wide "
+
+
 def test_without_a_stop_both_paths_give_the_whole_text(gen, script):
     text = "Emoji 🦜 and नमस्ते and 今天天气不错, done"
     ids = script(text)

@@ -62,9 +62,9 @@ class TextStream:
     before them are searched, so a stop string is found however many tokens it was split over.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: TextTokenizer, stop: str | Sequence[str] = ()):
         self._decoder = StreamDecoder(tokenizer)
-        self.stop = tuple(stop)
+        self.stop = (stop,) if isinstance(stop, str) else tuple(stop)  # a plain string is one stop string
         self._longest = max(map(len, self.stop), default=0)
         self._text = ""  # everything decoded so far (whole characters)
         self.stop_at: int | None = None  # where the earliest stop string begins in the text, once one has
