@@ -402,8 +402,8 @@ def score(model_dir, text_file, max_length, stride, method, device, threads, no_
 
 def _print_timings(t: dict, n_tokens: int) -> None:
     click.echo(
-        f"[{n_tokens} tokens | prefill {t['prefill_ms']:.1f} ms | decode {t['decode_ms_per_token']:.2f} ms/token | "
-        f"sampler {t['sampler_ms_per_token']:.3f} ms/token | {t['tokens_per_s']:.1f} tokens/s]",
+        f"[{n_tokens} tokens | prefill {t['prefill_ms']:.1f} ms | decode {t['decode_ms_per_token_mean']:.2f} ms/token "
+        f"(mean) | sampler {t['sampler_ms_per_token_mean']:.3f} ms/token | {t['tokens_per_s']:.1f} tokens/s]",
         err=True,
     )
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from gpt2edge.errors import DeviceError, GenerationError, ModelFolderError
-from gpt2edge.runtime import Generator, available_devices
+from gpt2edge.runtime import Generator, SamplingParams, available_devices
+from gpt2edge.runtime.generate import generate, length_error
 from gpt2edge.runtime.tokenizer import StreamDecoder, TextTokenizer
 
 
@@ -61,15 +62,20 @@ def test_io_binding_on_and_off_give_identical_tokens(tiny_export, gen):
     assert [r.token_ids for r in gen.generate(prompts, **kw)] == [r.token_ids for r in plain.generate(prompts, **kw)]
 
 
+def written_pointers(lm) -> list[int]:
+    """Where ONNX Runtime wrote the last step's presents: the IO binding's outputs after the log-probs."""
+    return [o.data_ptr() for o in lm.binding.get_outputs()[1:]]
+
+
 def test_cache_buffers_are_allocated_once_and_reused(tiny_export):
     g = Generator(tiny_export)
     lm = g.lm
     seen_pointers: list[list[int]] = []
     g.generate(
-        "The river", max_new_tokens=20, ignore_eos=True, callback=lambda s: seen_pointers.append(lm.present_pointers())
+        "The river", max_new_tokens=20, ignore_eos=True, callback=lambda s: seen_pointers.append(written_pointers(lm))
     )
     assert lm.cache.allocations == 1
-    allowed = lm.cache.pointers()
+    allowed = {lm.cache.pointer(slot, t) for slot in (0, 1) for t in range(lm.cache.n_tensors)}
     # ORT wrote every step's presents into our two buffers per tensor (no cache allocation of its own)
     assert len(seen_pointers) == 20
     assert all(set(step) <= allowed for step in seen_pointers)
@@ -85,16 +91,15 @@ def test_same_seed_same_text(gen):
 
 def test_each_row_stops_on_its_own(tiny_export):
     g = Generator(tiny_export)
-    probe = g.generate(["The river", "Students arrive"], max_new_tokens=12, do_sample=False, ignore_eos=True)
-    eos = probe[0].token_ids[3]  # make the 4th greedy token of row 0 the end-of-text token
-    assert eos not in probe[1].token_ids[:12] or probe[1].token_ids.index(eos) != 3
+    prompts = ["The river", "Students arrive"]
+    row0, row1 = (r.token_ids for r in g.generate(prompts, max_new_tokens=12, do_sample=False, ignore_eos=True))
+    # the end-of-text token becomes one that row 0 generates before its last step and row 1 never does
+    eos = next((t for t in row0[:-1] if t not in row1), None)
+    assert eos is not None, "the probe prompts need a token only row 0 generates"
     g.eos_token_id = (eos,)
-    rows = g.generate(["The river", "Students arrive"], max_new_tokens=12, do_sample=False)
-    assert (
-        rows[0].finish_reason == "eos" and rows[0].token_ids == probe[0].token_ids[: probe[0].token_ids.index(eos) + 1]
-    )
-    if eos not in probe[1].token_ids:
-        assert rows[1].finish_reason == "length" and rows[1].token_ids == probe[1].token_ids
+    rows = g.generate(prompts, max_new_tokens=12, do_sample=False)
+    assert rows[0].finish_reason == "eos" and rows[0].token_ids == row0[: row0.index(eos) + 1]
+    assert rows[1].finish_reason == "length" and rows[1].token_ids == row1
 
 
 def test_stop_string_cuts_text_and_stream_agrees(gen):
@@ -149,11 +154,63 @@ def test_interrupt_keeps_what_was_generated(gen):
 
 def test_prompt_too_long_errors_or_truncates(gen):
     long_prompt = "The river rose. " * 60
-    with pytest.raises(GenerationError, match="--truncate"):
+    with pytest.raises(GenerationError, match=f"--truncate to keep its last {gen.lm.n_positions - 8} tokens"):
         gen.generate(long_prompt, max_new_tokens=8)
     r = gen.generate(long_prompt, max_new_tokens=8, truncate=True, ignore_eos=True)
     assert len(r.prompt_token_ids) + 8 == gen.lm.n_positions
     assert r.prompt_token_ids == gen.tokenizer.encode(long_prompt)[-len(r.prompt_token_ids) :]
+
+
+@pytest.mark.parametrize("extra", [72, 0])  # max_new_tokens = n_positions + extra: 200 and 128 on the tiny model
+def test_max_new_tokens_filling_the_model_says_lower_it_not_truncate(gen, extra):
+    n, N = gen.lm.n_positions + extra, gen.lm.n_positions
+    P = len(gen.tokenizer.encode("The river"))
+    for truncate in (False, True):  # truncating the prompt cannot make room: the verdict is the same
+        with pytest.raises(GenerationError) as e:
+            gen.generate("The river", max_new_tokens=n, truncate=truncate)
+        msg = str(e.value)
+        assert f"lower --max-new-tokens to at most {N - P}" in msg and "cannot help" in msg
+        assert "pass --truncate" not in msg and "\n" not in msg
+    # the loop's own check (bench, quality) says the same
+    with pytest.raises(GenerationError, match=f"at most {N - 3}"):
+        generate(gen.lm, gen.tokenizer, [[1, 2, 3]], SamplingParams(max_new_tokens=n), pad_id=0)
+
+
+def test_length_error_names_a_fix_that_works():
+    N = 128
+    for P in (1, 5, 127, 128, 300):
+        for n in (1, 8, 127, 128, 200):
+            msg = length_error(P, n, N)
+            assert (msg is None) == (P + n <= N)
+            if msg is None:
+                continue
+            if n >= N:  # no prompt fits: only a lower max_new_tokens helps
+                assert "--truncate" not in msg and ("at most" in msg) == (P < N)
+            else:  # the prompt is the problem: truncation keeps N - n tokens, which is >= 1
+                assert f"--truncate to keep its last {N - n} tokens" in msg
+            if P < N:
+                assert f"at most {N - P}" in msg
+
+
+@pytest.mark.parametrize("threads", [0, -3, 100_000, 2.5, True])
+def test_threads_out_of_range_is_refused_before_any_thread_starts(tiny_export, threads):
+    with pytest.raises(DeviceError, match=r"^--threads must be an integer from 1 to \d+ .*got"):
+        Generator(tiny_export, threads=threads)
+
+
+def test_plain_stop_string_is_one_stop_string(gen):
+    assert gen.sampling_params(stop="abc").stop == ("abc",)
+    assert gen.sampling_params(stop=["abc", "d"]).stop == ("abc", "d")
+    base = gen.generate("The city", max_new_tokens=24, do_sample=False, ignore_eos=True)
+    # a stop string whose first character appears in the text before the stop string itself does
+    text = base.text
+    i = next(i for i in range(1, len(text) - 3) if text.find(text[i : i + 3]) == i and text[i] in text[:i])
+    stop = text[i : i + 3]
+    r = gen.generate("The city", max_new_tokens=24, do_sample=False, ignore_eos=True, stop=stop)
+    assert r.finish_reason == "stop" and r.text == base.text[: base.text.find(stop)]
+    assert "".join(gen.stream("The city", max_new_tokens=24, do_sample=False, ignore_eos=True, stop=stop)) == r.text
+    with pytest.raises(GenerationError, match="Stop strings must be strings"):
+        gen.sampling_params(stop=[1])
 
 
 def test_generation_config_defaults_are_used(tiny_export, tmp_path):
@@ -203,37 +260,54 @@ def test_cuda_greedy_matches_cpu(tiny_export, gen):
     assert cuda.lm.cache.allocations == 1
 
 
+BLOCKED = ("torch", "transformers", "onnx", "onnxscript")  # what the runtime must never import
+BLOCKER = textwrap.dedent(
+    f"""
+    import sys, importlib.abc
+    attempts = []
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split('.')[0] in {BLOCKED!r}:
+                attempts.append(name)  # recorded even if the importer catches the ImportError
+                raise ImportError(f'{{name}} is blocked: the runtime must not need it')
+    sys.meta_path.insert(0, Block())
+    """
+)
+
+
 def run_cli(*args, block_torch: bool = False):
-    """Run the CLI in a fresh interpreter; with block_torch, importing torch or transformers fails there."""
-    blocker = textwrap.dedent(
-        """
-        import sys, importlib.abc
-        class Block(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split('.')[0] in ('torch', 'transformers'):
-                    raise ImportError(f'{name} is blocked: the runtime must not need it')
-        sys.meta_path.insert(0, Block())
-        """
-    )
-    code = (blocker if block_torch else "") + textwrap.dedent(
-        """
+    """Run the CLI in a fresh interpreter; with block_torch, importing any of BLOCKED fails there and every
+    attempt is reported on the last stderr line as `blocked imports: [...]`."""
+    report = "print('blocked imports:', sorted(set(attempts)), file=sys.stderr)" if block_torch else "pass"
+    code = (BLOCKER if block_torch else "") + textwrap.dedent(
+        f"""
         import sys
         from gpt2edge.cli import main
         try:
             main(sys.argv[1:], standalone_mode=False)
         finally:
-            assert 'torch' not in sys.modules or not BLOCK, 'torch was imported'
+            {report}
         """
-    ).replace("BLOCK", str(block_torch))
+    )
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def test_import_blocker_catches_an_import_that_is_caught():
+    """The blocker itself can fail: an optional `try: import onnx` is still reported."""
+    code = BLOCKER + "try:\n    import onnx\nexcept ImportError:\n    pass\nprint(attempts)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == "['onnx']", p.stderr
 
 
 def test_generate_cli_without_torch_prints_pure_json(tiny_export):
     p = run_cli("generate", tiny_export, "-p", "The river", "-n", "6", "--json", "--ignore-eos", block_torch=True)
     assert p.returncode == 0, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == "blocked imports: []"
     out = json.loads(p.stdout)  # stdout is exactly one JSON object
-    for key in ("text", "token_ids", "prompt_token_ids", "finish_reason", "prefill_ms", "decode_ms_per_token"):
+    timings = ("prefill_ms", "decode_ms_per_token_mean", "decode_ms_per_token_median", "sampler_ms_per_token_mean")
+    for key in ("text", "token_ids", "prompt_token_ids", "finish_reason", *timings, "wall_ms", "tokens_per_s"):
         assert key in out
+    assert out["tokens_per_s"] == pytest.approx(6 / (out["wall_ms"] / 1e3))
     assert len(out["token_ids"]) == 6 and out["finish_reason"] == "length"
 
 
@@ -244,3 +318,7 @@ def test_generate_cli_streams_and_reports_errors(tiny_export):
     bad = run_cli("generate", tiny_export, "-p", "x", "--repetition-penalty", "0")
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.strip() == "error: repetition_penalty must be > 0 (1.0 disables it), got 0.0."
+    threads = run_cli("generate", tiny_export, "-p", "x", "--threads", "100000")
+    assert threads.returncode == 1 and threads.stdout == ""
+    assert len(threads.stderr.strip().splitlines()) == 1
+    assert threads.stderr.startswith("error: --threads must be an integer from 1 to ")

@@ -16,6 +16,9 @@ from gpt2edge.export.validate import hf_step, position_ids_from_mask
 from gpt2edge.manifest import read_manifest
 from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.runtime import Generator
+from gpt2edge.runtime.generate import left_pad
+from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.model_folder import ModelFolder
 
 ATOL = 1e-4
 
@@ -75,13 +78,41 @@ def test_cache_is_allocated_once_and_never_rebound(tiny_export_shared):
     cache = g.lm.cache
     addresses = []
     g.generate(
-        "The river", max_new_tokens=20, ignore_eos=True, callback=lambda s: addresses.append(g.lm.present_pointers())
+        "The river",
+        max_new_tokens=20,
+        ignore_eos=True,
+        callback=lambda s: addresses.append({o.data_ptr() for o in g.lm.binding.get_outputs()[1:]}),
     )
     storage = cache._storage.ctypes.data
     assert cache.allocations == 1 and len(addresses) == 20
-    assert all(set(a) == cache.pointers() for a in addresses)  # ORT wrote into the cache itself, every step
+    buffers = {cache._storage[i].ctypes.data for i in range(cache.n_tensors)}
+    assert all(a == buffers for a in addresses)  # ORT wrote into the cache itself, every step
     g.generate("The river", max_new_tokens=20, ignore_eos=True)
     assert cache.allocations == 1 and cache._storage.ctypes.data == storage
+
+
+@pytest.mark.parametrize("io_binding", [True, False])
+def test_batch_of_several_tokens_on_a_past_runs_row_by_row(tiny_export, tiny_export_shared, io_binding):
+    """GroupQueryAttention refuses batch > 1 with seq > 1 on a past; OrtLM.forward runs such a step per row (in
+    place, on each row's slice of the cache) and matches the concat graph, and so do the steps after it."""
+    lms = [OrtLM(ModelFolder.open(f), io_binding=io_binding) for f in (tiny_export, tiny_export_shared)]
+    prompts = [[5, 9, 13, 2, 7], [11, 4]]  # left-padded: row 1 has 3 pads
+    chunks = [np.array([[3, 8, 1], [6, 2, 9]]), np.array([[4], [12]]), np.array([[14, 15], [16, 17]])]
+    total = 5 + sum(c.shape[1] for c in chunks)
+    ids, mask = left_pad(prompts, 0, total)
+    outs = []
+    for lm in lms:
+        lm.start(2, total)
+        m = mask.copy()
+        steps = [lm.forward(ids, m[:, :5], position_ids_from_mask(m[:, :5], 5)).copy()]
+        for chunk in chunks:  # (2, 3) then (2, 1) then (2, 2), each on top of the cache
+            T = lm.past_len + chunk.shape[1]
+            m[:, :T] = np.where(np.arange(T) >= 5, 1, m[:, :T])
+            steps.append(lm.forward(chunk, m[:, :T], position_ids_from_mask(m[:, :T], chunk.shape[1])).copy())
+        outs.append(steps)
+    for concat, shared in zip(*outs):
+        assert np.abs(concat - shared).max() < ATOL
+    assert lms[1].past_len == total
 
 
 def test_quantized_shared_variant_runs(tiny_export_shared, tmp_path):

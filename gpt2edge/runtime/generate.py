@@ -15,7 +15,7 @@ import numpy as np
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.lm import OrtLM
 from gpt2edge.runtime.sampling import SamplingParams, next_tokens
-from gpt2edge.runtime.tokenizer import TextTokenizer
+from gpt2edge.runtime.tokenizer import TextStream, TextTokenizer
 
 
 @dataclass
@@ -34,9 +34,11 @@ class GenerationState:
     params: SamplingParams
     generated: list[list[int]] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
+    texts: list[TextStream] = field(default_factory=list)  # per row: its text and the stop-string matcher
     prefill_ms: float = 0.0
     decode_ms: list[float] = field(default_factory=list)  # one entry per forward after the prefill
     sampler_ms: list[float] = field(default_factory=list)  # one entry per sampled token step
+    wall_ms: float = 0.0  # from the start of the prefill to the last sampled token
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, total: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,11 +76,27 @@ def _check_finite(logprobs: np.ndarray, step: int) -> None:
         )
 
 
-def _stop_hit(tokenizer: TextTokenizer, ids: list[int], stop: Sequence[str]) -> bool:
-    # a stop string is at most len(s) characters; no token decodes to less than nothing, so the last
-    # len(s) + 4 tokens (slack for multi-byte characters) are enough to see it
-    tail = tokenizer.decode(ids[-(max(map(len, stop)) + 4) :])
-    return any(s in tail for s in stop)
+def length_error(prompt_len: int, max_new_tokens: int, n_positions: int) -> str | None:
+    """None when the prompt and max_new_tokens fit the model's positions, else the one-line fix that can work.
+
+    When max_new_tokens alone leaves no room for the prompt, truncating the prompt cannot help: only a lower
+    max_new_tokens can.
+    """
+    P, n, N = prompt_len, max_new_tokens, n_positions
+    if P + n <= N:
+        return None
+    if n >= N:
+        fix = f"lower --max-new-tokens to at most {N - P}" if P < N else f"lower --max-new-tokens below {N}"
+        return (
+            f"max_new_tokens={n} leaves no room for the {P}-token prompt in the model's {N} positions; {fix} "
+            "(truncating the prompt cannot help)."
+        )
+    fixes = [f"lower --max-new-tokens to at most {N - P}"] if P < N else []
+    fixes += ["shorten the prompt", f"pass --truncate to keep its last {N - n} tokens"]
+    return (
+        f"The prompt has {P} tokens; with max_new_tokens={n} only {N - n} fit the model's {N} positions. "
+        f"{', '.join(fixes[:-1]).capitalize()} or {fixes[-1]}."
+    )
 
 
 def decode_n_tokens(
@@ -86,7 +104,6 @@ def decode_n_tokens(
     state: GenerationState,
     logprobs: np.ndarray,
     mask: np.ndarray,
-    tokenizer: TextTokenizer,
     pad_id: int,
     rng: np.random.Generator,
 ) -> Iterator[Step]:
@@ -109,10 +126,12 @@ def decode_n_tokens(
                 seen[b] = np.append(seen[b], tok)
             if tok in eos:
                 state.finish_reasons[b] = "eos"
-            elif params.stop and _stop_hit(tokenizer, state.generated[b], params.stop):
+            elif state.texts[b].push(tok):  # the row's text now contains a stop string
                 state.finish_reasons[b] = "stop"
             elif len(state.generated[b]) >= params.max_new_tokens:
                 state.finish_reasons[b] = "length"
+            if state.finish_reasons[b] is not None:
+                state.texts[b].finish()
         yield Step(step, tokens, active, list(state.finish_reasons))
         if all(r is not None for r in state.finish_reasons):
             return
@@ -146,13 +165,12 @@ def iter_generate(lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, p
     B = len(prompts)
     S = max(len(p) for p in prompts)
     total = S + params.max_new_tokens
-    if total > lm.n_positions:
-        raise GenerationError(
-            f"The prompt ({S} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the model's "
-            f"{lm.n_positions} positions; shorten the prompt, lower --max-new-tokens, or pass --truncate."
-        )
+    error = length_error(S, params.max_new_tokens, lm.n_positions)
+    if error:
+        raise GenerationError(error)
     state.generated = [[] for _ in range(B)]
     state.finish_reasons = [None] * B
+    state.texts = [TextStream(tokenizer, params.stop) for _ in range(B)]
     rng = np.random.default_rng(params.seed)
     ids, mask = left_pad(prompts, pad_id, total)
     # the last sampled token is never fed back, so the cache needs total - 1 positions
@@ -161,6 +179,8 @@ def iter_generate(lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, p
         t0 = time.perf_counter()
         logprobs = prefill(lm, ids, mask[:, :S])
         state.prefill_ms = (time.perf_counter() - t0) * 1e3
-        yield from decode_n_tokens(lm, state, logprobs, mask, tokenizer, pad_id, rng)
+        for step in decode_n_tokens(lm, state, logprobs, mask, pad_id, rng):
+            state.wall_ms = (time.perf_counter() - t0) * 1e3  # the prefill up to this token
+            yield step
     except KeyboardInterrupt:
         state.finish_reasons = [r or "interrupted" for r in state.finish_reasons]

@@ -78,10 +78,6 @@ class KVCache:
         """After a step the present slot becomes the next step's past."""
         self.src = 1 - self.src
 
-    def pointers(self) -> set[int]:
-        """Every address a present binding may use: tests check that ORT wrote into these and nowhere else."""
-        return {self.pointer(s, t) for s in (0, 1) for t in range(self.n_tensors)}
-
 
 class SharedKVCache(KVCache):
     """One buffer per key/value tensor, bound as both past and present: the graph writes it in place."""
@@ -116,5 +112,7 @@ class SharedKVCache(KVCache):
         """The cache as graph inputs, without IO binding."""
         return list(self._storage)
 
-    def pointers(self) -> set[int]:
-        return {self._storage[i].ctypes.data for i in range(self.n_tensors)}
+    def row(self, r: int) -> list[np.ndarray]:
+        """Row r of every buffer as a (1, nh, capacity, hs) view: contiguous, so it can be bound as a batch of
+        one (the graph then reads and writes that row in place)."""
+        return [self._storage[i, r : r + 1] for i in range(self.n_tensors)]

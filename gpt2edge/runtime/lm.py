@@ -1,6 +1,15 @@
-"""One forward step of an exported graph, with the KV cache bound in place (or, for comparison, without)."""
+"""The exported graph as a language model: OrtGraph (the loaded session, shared by threads) and OrtLM (one
+generation's KV cache and IO binding on it), plus LMPool, which hands each call an OrtLM of its own.
+
+Thread safety: ONNX Runtime's InferenceSession.run is thread-safe, an IOBinding and a KV cache are not. So
+everything mutable lives in OrtLM, and concurrent generations each use their own OrtLM on one OrtGraph.
+"""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import onnxruntime as ort
@@ -11,15 +20,15 @@ from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.session import ORT_DEVICE, create_session
 
 
-class OrtLM:
-    """forward(ids, mask, positions) -> next-token log-probs (B, V) as a host array; the cache lives inside."""
+class OrtGraph:
+    """An export folder's graph loaded once: the InferenceSession, its dims and its input/output names.
 
-    def __init__(
-        self, folder: ModelFolder, device: str = "cpu", threads: int | None = None, io_binding: bool = True
-    ) -> None:
+    Never changed after construction, so any number of OrtLMs in any threads may share it.
+    """
+
+    def __init__(self, folder: ModelFolder, device: str = "cpu", threads: int | None = None) -> None:
         self.folder = folder
         self.device = device
-        self.io_binding = io_binding
         self.shared = folder.kv_cache == "shared"
         if self.shared and device != "cpu":
             raise DeviceError(
@@ -30,12 +39,37 @@ class OrtLM:
         d = folder.dims
         self.n_layer, self.n_head, self.head_dim = d["n_layer"], d["n_head"], d["head_dim"]
         self.vocab_size, self.n_positions = d["vocab_size"], d["n_positions"]
-        names = [i.name for i in self.session.get_inputs()]
-        self.past_names = names[3:]
+        self.past_names = [i.name for i in self.session.get_inputs()][3:]
         self.present_names = [o.name for o in self.session.get_outputs()][1:]
         self.kv_dtype = folder.kv_dtype
+
+
+class OrtLM:
+    """One generation at a time on a graph: forward(ids, mask, positions) -> next-token log-probs (B, V).
+
+    The KV cache lives inside. The contract (generate loops, quality, beam search):
+      start(batch, length)  reserve the cache for `batch` rows of at most `length` positions; past_len = 0.
+      forward(ids (B, S), mask (B, past_len + S), positions (B, S)) -> (B, V) float32 log-probs of the token
+                            after each row's last position; the S new positions join the cache (past_len += S).
+                            Any B and S, with or without a past (see _forward_rows for the shared graph).
+                            The result may be a buffer the next forward overwrites: copy it to keep it.
+      past_len              positions held in the cache.
+    Not thread-safe: use one OrtLM per concurrent generation (LMPool), all on one OrtGraph.
+
+    `graph` is a loaded OrtGraph to share, or a ModelFolder to load (with `device` and `threads`).
+    """
+
+    def __init__(
+        self, graph: OrtGraph | ModelFolder, device: str = "cpu", threads: int | None = None, io_binding: bool = True
+    ) -> None:
+        g = graph if isinstance(graph, OrtGraph) else OrtGraph(graph, device, threads)
+        self.graph, self.folder, self.device, self.session, self.shared = g, g.folder, g.device, g.session, g.shared
+        self.n_layer, self.n_head, self.head_dim = g.n_layer, g.n_head, g.head_dim
+        self.vocab_size, self.n_positions, self.kv_dtype = g.vocab_size, g.n_positions, g.kv_dtype
+        self.past_names, self.present_names = g.past_names, g.present_names
+        self.io_binding = io_binding
         cache_cls = SharedKVCache if self.shared else KVCache
-        self.cache = cache_cls(self.n_layer, self.n_head, self.head_dim, self.kv_dtype, ORT_DEVICE[device])
+        self.cache = cache_cls(self.n_layer, self.n_head, self.head_dim, self.kv_dtype, ORT_DEVICE[self.device])
         self.binding = self.session.io_binding() if io_binding else None
         self.past_len = 0
         self._presents: list[np.ndarray] = []  # only without IO binding
@@ -65,7 +99,9 @@ class OrtLM:
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """(B, S) ids, (B, past+S) mask, (B, S) positions -> (B, V) float32 log-probs of the next token."""
-        S = input_ids.shape[1]
+        B, S = input_ids.shape
+        if self.shared and B > 1 and S > 1 and self.past_len > 0:
+            return self._forward_rows(input_ids, attention_mask, position_ids)
         if not self.io_binding:
             feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
             feed.update(zip(self.past_names, self.cache.tensors(self.past_len) if self.shared else self._presents))
@@ -97,6 +133,34 @@ class OrtLM:
         # on CUDA only this (B, V) tensor crosses to the host each step; the cache stays on the device
         return lp if self.device == "cpu" else lp.numpy()
 
+    def _forward_rows(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """The shared graph's GroupQueryAttention refuses batch > 1 with seq > 1 on a past, so such a step runs
+        row by row: row b's slice of each (B, nh, capacity, hs) cache buffer is itself a contiguous
+        (1, nh, capacity, hs) tensor, which the graph reads and writes in place as a batch of one."""
+        B, S = input_ids.shape
+        out = np.empty((B, self.vocab_size), dtype=np.float32)
+        for r in range(B):
+            step = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+            feed = {name: np.ascontiguousarray(a[r : r + 1], dtype=np.int64) for name, a in step.items()}
+            cache = self.cache.row(r)  # (1, nh, capacity, hs) views, one per past/present name
+            if self.io_binding:
+                b = self.session.io_binding()
+                for name, arr in feed.items():
+                    b.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
+                b.bind_output("logprobs", "cpu")
+                for past, present, view in zip(self.past_names, self.present_names, cache):
+                    b.bind_input(past, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
+                    b.bind_output(present, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
+                self.session.run_with_iobinding(b)
+                lp = b.get_outputs()[0].numpy()
+            else:
+                lp, *presents = self.session.run(None, {**feed, **dict(zip(self.past_names, cache))})
+                for view, present in zip(cache, presents):
+                    view[...] = present
+            out[r] = lp[0] if lp.ndim == 2 else lp[0, -1]
+        self.past_len += S
+        return out
+
     def _bind_mask(self, mask: np.ndarray) -> None:
         """Copy the (B, T) mask into the front of the flat buffer and bind it there, by pointer."""
         view = self._mask[: mask.size].reshape(mask.shape)
@@ -120,6 +184,38 @@ class OrtLM:
             b.bind_ortvalue_output("logprobs", lp)
         self.cache.bind(b, self.past_names, self.present_names, self.past_len, S)
 
-    def present_pointers(self) -> list[int]:
-        """Where ORT actually wrote the last step's presents (IO binding only)."""
-        return [o.data_ptr() for o in self.binding.get_outputs()[1:]]
+
+class LMPool:
+    """OrtLMs on one shared OrtGraph, one per concurrent call: `with pool.lease() as lm:` takes the
+    lowest-numbered idle one (a new one when all are busy) and gives it back at the end.
+
+    Sequential calls therefore always get `primary`, and reuse its cache. After a burst of concurrent calls at
+    most `keep_idle` OrtLMs (each holding its last KV cache) stay for reuse; the others are dropped.
+    """
+
+    def __init__(self, graph: OrtGraph, io_binding: bool = True, keep_idle: int = 4) -> None:
+        self.graph = graph
+        self.io_binding = io_binding
+        self.keep_idle = max(1, keep_idle)
+        self._lock = threading.Lock()  # guards the two lists below; held for list operations only
+        self._created = 0
+        self._idle: list[tuple[int, OrtLM]] = []  # (creation number, lm), sorted
+        self._idle.append(self._new())
+        self.primary = self._idle[0][1]
+
+    def _new(self) -> tuple[int, OrtLM]:
+        """(creation number, a fresh OrtLM); call with the lock held."""
+        self._created += 1
+        return self._created - 1, OrtLM(self.graph, io_binding=self.io_binding)
+
+    @contextmanager
+    def lease(self) -> Iterator[OrtLM]:
+        with self._lock:
+            n, lm = self._idle.pop(0) if self._idle else self._new()
+        try:
+            yield lm
+        finally:
+            with self._lock:
+                self._idle.append((n, lm))
+                self._idle.sort(key=lambda e: e[0])
+                del self._idle[self.keep_idle :]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import onnxruntime as ort
@@ -11,6 +12,9 @@ from gpt2edge.errors import DeviceError
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # IO binding names the memory of each device this way
 ORT_DEVICE = {"cpu": "cpu", "cuda": "cuda"}
+# more intra-op threads than cores only slows a matmul down; allow some oversubscription, refuse the absurd
+# (ONNX Runtime starts every requested thread: 100000 of them is gigabytes of stacks)
+MAX_THREADS = max(os.cpu_count() or 1, 256)
 
 
 def available_devices() -> list[str]:
@@ -18,12 +22,22 @@ def available_devices() -> list[str]:
     return [d for d, p in PROVIDERS.items() if p in have]
 
 
+def check_threads(threads: int | None) -> None:
+    """None (ONNX Runtime's choice) or an int in 1..MAX_THREADS; anything else is a DeviceError."""
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise DeviceError(
+            f"--threads must be an integer from 1 to {MAX_THREADS} (this machine has {os.cpu_count()} CPUs), "
+            f"got {threads!r}."
+        )
+
+
 def create_session(graph: Path, device: str = "cpu", threads: int | None = None) -> ort.InferenceSession:
     """A session on `device` ('cpu' or 'cuda'); raises DeviceError rather than silently falling back."""
     if device not in PROVIDERS:
         raise DeviceError(f"Unknown device '{device}'; choose one of {', '.join(PROVIDERS)}.")
-    if threads is not None and threads < 1:
-        raise DeviceError(f"--threads must be >= 1, got {threads}.")
+    check_threads(threads)
     if PROVIDERS[device] not in ort.get_available_providers():
         raise DeviceError(
             f"Device '{device}' was requested but this onnxruntime ({ort.__version__}) has no "

@@ -1,4 +1,5 @@
-"""The export folder's tokenizer.json through the `tokenizers` library, plus UTF-8-safe streaming decode."""
+"""The export folder's tokenizer.json through the `tokenizers` library; incremental, UTF-8-safe decoding; and
+the stop-string matcher that generate() and stream() share."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer
-
-REPLACEMENT = "\ufffd"  # what a byte-level decode yields for an incomplete UTF-8 sequence
+from tokenizers.decoders import DecodeStream
 
 
 class TextTokenizer:
@@ -22,36 +22,100 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
 
-    def token_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
 
 class StreamDecoder:
-    """Turns a growing list of token ids into text pieces that never split a character.
+    """Turns token ids, one at a time, into text pieces that never split a character.
 
-    A multi-byte character (CJK, emoji) can span several byte-level tokens; decoding a prefix then ends in
-    U+FFFD. Text is released only up to a point that decodes cleanly, so the concatenated pieces equal the
-    final decode exactly.
+    A multi-byte character (CJK, emoji) can span several byte-level tokens. `tokenizers`' DecodeStream holds
+    such tokens back until the character is complete and decodes only a short window of recent ids per token
+    (the whole text is never re-decoded), so the concatenated pieces plus flush() equal decode(all ids).
     """
 
     def __init__(self, tokenizer: TextTokenizer):
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._emitted = 0  # characters of the decoded text already handed out
+        self._tok = tokenizer._tok
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._pending: list[int] = []  # ids pushed since the last piece: an incomplete character, if any
 
     def push(self, token_id: int) -> str:
         """Add one token; return the new text that is now safe to print (possibly empty)."""
-        self._ids.append(int(token_id))
-        text = self._tok.decode(self._ids)
-        if text.endswith(REPLACEMENT):
-            return ""  # wait for the rest of the character
-        piece = text[self._emitted :]
-        self._emitted = len(text)
+        piece = self._stream.step(self._tok, int(token_id))
+        if piece is None:
+            self._pending.append(int(token_id))  # wait for the rest of the character
+            return ""
+        self._pending.clear()
         return piece
 
     def flush(self) -> str:
-        """Whatever is left at the end (an incomplete character is released as U+FFFD, as decode gives it)."""
-        text = self._tok.decode(self._ids)
-        piece = text[self._emitted :]
-        self._emitted = len(text)
+        """Whatever is left at the end (an incomplete character comes out as U+FFFD, as decode gives it).
+        The pending ids start on a character boundary, so decoding them alone gives the end of the text."""
+        piece = self._tok.decode(self._pending, skip_special_tokens=True) if self._pending else ""
+        self._pending.clear()
         return piece
+
+
+class TextStream:
+    """Token ids in; text, stop-string detection and printable pieces out. One per generated row.
+
+    The one stop matcher: generate() takes its `text`, stream() its `take()` pieces, and the generate loop asks
+    push() whether a stop string has appeared, so both paths agree on the text and the finish reason. It matches
+    on the decoded text, incrementally: after each token only the new characters and the (longest stop - 1)
+    before them are searched, so a stop string is found however many tokens it was split over.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, stop: str | Sequence[str] = ()):
+        self._decoder = StreamDecoder(tokenizer)
+        self.stop = (stop,) if isinstance(stop, str) else tuple(stop)  # a plain string is one stop string
+        self._longest = max(map(len, self.stop), default=0)
+        self._text = ""  # everything decoded so far (whole characters)
+        self.stop_at: int | None = None  # where the earliest stop string begins in the text, once one has
+        self._taken = 0  # characters already handed out by take()
+        self._finished = False
+
+    def push(self, token_id: int) -> bool:
+        """Add one generated token; True once a stop string has appeared (later tokens are then ignored)."""
+        if self.stop_at is None and not self._finished:
+            self._append(self._decoder.push(token_id))
+        return self.stop_at is not None
+
+    def finish(self) -> None:
+        """The row is over: release an incomplete last character (as U+FFFD). Idempotent."""
+        if not self._finished and self.stop_at is None:
+            self._append(self._decoder.flush())
+        self._finished = True
+
+    @property
+    def text(self) -> str:
+        """The generated text, cut before the stop string if one was found (OpenAI's convention)."""
+        return self._text if self.stop_at is None else self._text[: self.stop_at]
+
+    def take(self) -> str:
+        """New text that is safe to print: never past a stop string, and holding back a suffix that could still
+        become the start of one (released at finish() if it does not)."""
+        if self.stop_at is not None:
+            end = self.stop_at
+        elif self._finished:
+            end = len(self._text)
+        else:
+            end = len(self._text) - self._held()
+        piece = self._text[self._taken : end]
+        self._taken = max(self._taken, end)
+        return piece
+
+    def _append(self, piece: str) -> None:
+        if not piece:
+            return
+        # a stop string not present before must end in the new piece, so it starts at most longest-1 back
+        start = max(0, len(self._text) - self._longest + 1)
+        self._text += piece
+        hits = [i for s in self.stop if (i := self._text.find(s, start)) >= 0]
+        if hits:
+            self.stop_at = min(hits)
+
+    def _held(self) -> int:
+        """Length of the longest suffix of the untaken text that is a proper prefix of some stop string."""
+        room = min(self._longest - 1, len(self._text) - self._taken)
+        for n in range(room, 0, -1):
+            tail = self._text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
