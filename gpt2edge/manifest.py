@@ -22,6 +22,9 @@ FORMAT_VERSION = 1
 HEAD_MODES = ("last", "all")
 KV_CACHE_MODES = ("concat", "shared")
 ATTENTION_OPS = {"concat": "onnx", "shared": "com.microsoft.GroupQueryAttention"}
+# graph.format: "onnx" (export, quantize), "ort" (ONNX Runtime's flatbuffer, for minimal builds) and "genai"
+# (an ONNX graph in onnxruntime-genai's IO contract, run by genai, not by gpt2edge's runtime); see gpt2edge.convert
+GRAPH_FORMATS = ("onnx", "ort", "genai")
 
 
 def file_digest(path: Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import ModelFolderError
-from gpt2edge.manifest import ATTENTION_OPS, graph_files, read_manifest, verify_files
+from gpt2edge.manifest import ATTENTION_OPS, GRAPH_FORMATS, graph_files, read_manifest, verify_files
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -28,6 +28,7 @@ class ModelFolder:
         graph = manifest.get("graph")
         if not isinstance(graph, dict) or "file" not in graph or "dims" not in manifest:
             raise ModelFolderError(f"{path}/manifest.json has no graph description; re-export the model.")
+        _check_graph_format(path, graph.get("format", "onnx"))
         if verify:
             verify_files(path, manifest)
         elif not (path / graph["file"]).is_file():
@@ -45,6 +46,11 @@ class ModelFolder:
     @property
     def graph_path(self) -> Path:
         return self.path / self.manifest["graph"]["file"]
+
+    @property
+    def graph_format(self) -> str:
+        """ "onnx" or "ort" (ONNX Runtime's own format; gpt2edge.manifest.GRAPH_FORMATS)."""
+        return self.manifest["graph"].get("format", "onnx")
 
     @property
     def tokenizer_path(self) -> Path:
@@ -79,3 +85,14 @@ class ModelFolder:
     def model_bytes(self) -> int:
         """Bytes of the graph files (the .onnx and its external data), as listed in the manifest."""
         return sum(self.manifest["files"][f]["size"] for f in graph_files(self.manifest))
+
+
+def _check_graph_format(path: Path, fmt: str) -> None:
+    """The runtime runs .onnx and .ort graphs; a genai folder is for onnxruntime-genai (its logits differ)."""
+    if fmt == "genai":
+        raise ModelFolderError(
+            f"{path} is an onnxruntime-genai folder (`gpt2edge convert --format genai`); run it with "
+            "onnxruntime_genai.Model, or give gpt2edge the folder it was converted from."
+        )
+    if fmt not in GRAPH_FORMATS:
+        raise ModelFolderError(f"{path} holds a graph in format {fmt!r}, unknown to this gpt2edge; upgrade gpt2edge.")
