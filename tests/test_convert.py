@@ -247,3 +247,9 @@ def test_runtime_reads_the_graph_format_from_the_manifest_not_the_file_name(ort_
     assert create_session(renamed, model_format="ort").get_inputs()[0].name == "input_ids"
     with pytest.raises(Exception, match="(?i)protobuf|parse"):
         create_session(renamed)  # read as ONNX, the same bytes are not a model
+
+
+def test_quantize_refuses_a_converted_folder(ort_folders, tmp_path):
+    out = tmp_path / "q"
+    r = CliRunner().invoke(main, ["quantize", str(ort_folders["fp32"]), "-o", str(out), "--mode", "int8"])
+    assert_refused(r, "quantize the .onnx export it came from", out)

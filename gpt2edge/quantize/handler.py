@@ -123,6 +123,9 @@ def quantize_model(
 
     src, out = Path(src), Path(out)
     parent = read_manifest(src)
+    if parent.get("graph", {}).get("format", "onnx") != "onnx":  # .ort / genai folders (gpt2edge convert)
+        origin = parent.get("conversion", {}).get("parent", {}).get("path", "?")
+        raise QuantizeError(f"{src} is a converted folder; quantize the .onnx export it came from ({origin}).")
     if src.resolve() == out.resolve():
         raise QuantizeError("The output folder is the input folder; quantize writes a new folder (-o elsewhere).")
     precision = parent["graph"].get("precision", "fp32")
