@@ -12,6 +12,7 @@ from gpt2edge.export.model import from_hf_model
 from gpt2edge.export.static import (
     DECODE_FILE,
     PREFILL_FILE,
+    WEIGHTS_FILE,
     StaticShape,
     export_static,
     parse_static,
@@ -27,8 +28,16 @@ GREEDY = dict(max_new_tokens=16, do_sample=False, ignore_eos=True)
 @pytest.fixture(scope="module")
 def static_dir(hf_model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("static")
-    assert export_static(from_hf_model(hf_model), out, SHAPE) == [PREFILL_FILE, DECODE_FILE]
+    assert export_static(from_hf_model(hf_model), out, SHAPE) == [PREFILL_FILE, DECODE_FILE, WEIGHTS_FILE]
     return out
+
+
+def test_two_graphs_store_the_weights_once(static_dir, hf_model):
+    weights = sum(p.numel() * 4 for p in from_hf_model(hf_model).parameters())
+    sizes = {p.name: p.stat().st_size for p in static_dir.iterdir()}
+    assert 0.9 * weights < sizes[WEIGHTS_FILE] < 1.01 * weights  # one copy (tensors under 1 kB stay inline)
+    # each graph file is its nodes (and their export metadata) only: far less than a copy of the weights
+    assert sizes[PREFILL_FILE] < 0.5 * weights and sizes[DECODE_FILE] < 0.5 * weights
 
 
 @pytest.fixture(scope="module")

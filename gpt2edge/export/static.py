@@ -42,6 +42,7 @@ from gpt2edge.export.onnx_graph import DEFAULT_OPSET, check_opset, io_names
 
 PREFILL_FILE = "prefill.onnx"
 DECODE_FILE = "decode.onnx"
+WEIGHTS_FILE = "weights.data"  # the weights of both graphs, each tensor stored once
 
 _SPEC = re.compile(r"^(\d+)x(\d+)x(\d+)$")
 
@@ -171,7 +172,7 @@ def static_io_names(n_layer: int) -> tuple[list[str], list[str]]:
 
 def export_static(model: ExportableGPT2, out_dir: Path, shape: StaticShape, opset: int = DEFAULT_OPSET) -> list[str]:
     """Write the prefill graph (chunk C) and, when C > 1, the decode graph (chunk 1) into out_dir; returns the
-    file names. Each holds its own copy of the weights (prototype: sharing one data file is future work)."""
+    file names. With two graphs, their weights are stored once, in WEIGHTS_FILE, which both reference."""
     check_opset(opset)
     graphs = [(PREFILL_FILE, shape.chunk)] + ([(DECODE_FILE, 1)] if shape.chunk > 1 else [])
     inputs, outputs = static_io_names(model.dims.n_layer)
@@ -194,7 +195,36 @@ def export_static(model: ExportableGPT2, out_dir: Path, shape: StaticShape, opse
                 program.save(str(Path(out_dir) / name))
         except Exception as e:  # the exporter raises many types; name the step that failed
             raise ExportError(f"Tracing the static {name} graph failed: {type(e).__name__}: {e}") from e
-    return [name for name, _ in graphs]
+    names = [name for name, _ in graphs]
+    return _share_weights(Path(out_dir), names) if len(names) > 1 else names
+
+
+def _share_weights(out_dir: Path, names: list[str]) -> list[str]:
+    """Store the first graph's large initializers in WEIGHTS_FILE, and point every other graph's identical
+    initializers (same name, same bytes) at the same bytes: two graphs, one copy of the weights."""
+    import onnx
+    from onnx.external_data_helper import set_external_data
+    from onnx.numpy_helper import to_array
+
+    first = onnx.load(str(out_dir / names[0]))
+    stored = {t.name: to_array(t).tobytes() for t in first.graph.initializer}
+    onnx.save_model(first, str(out_dir / names[0]), save_as_external_data=True, location=WEIGHTS_FILE)
+    first = onnx.load(str(out_dir / names[0]), load_external_data=False)
+    where = {
+        t.name: {e.key: e.value for e in t.external_data}
+        for t in first.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+    }
+    for name in names[1:]:
+        model = onnx.load(str(out_dir / name))
+        for t in model.graph.initializer:
+            if t.name in where and to_array(t).tobytes() == stored[t.name]:
+                e = where[t.name]
+                set_external_data(t, WEIGHTS_FILE, int(e.get("offset", 0)), int(e["length"]))
+                t.ClearField("raw_data")
+                t.data_location = onnx.TensorProto.EXTERNAL
+        onnx.save_model(model, str(out_dir / name))
+    return [*names, WEIGHTS_FILE]
 
 
 def symbolic_values(path: Path) -> list[str]:
