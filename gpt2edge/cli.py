@@ -400,6 +400,31 @@ def score(model_dir, text_file, max_length, stride, method, device, threads, no_
     )
 
 
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True, help="New folder.")
+@click.option(
+    "--format",
+    "fmt",
+    required=True,
+    help="ort: .ort graph + required_operators.config for minimal/mobile ONNX Runtime builds; "
+    "genai: a folder onnxruntime-genai runs (genai_config.json).",
+)
+@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the new manifest as JSON.")
+@friendly_errors
+def convert(model_dir, out, fmt, force, as_json) -> None:
+    """Write the export folder MODEL_DIR in a deployment format (ORT format or onnxruntime-genai)."""
+    from gpt2edge.convert import convert_folder
+
+    manifest = convert_folder(model_dir, out, fmt, force=force)
+    if as_json:
+        print_json(manifest)
+    else:
+        size = sum(f["size"] for f in manifest["files"].values())
+        click.echo(f"wrote {out} ({fmt}, {manifest['graph']['file']}, {size / 1e6:.1f} MB)")
+
+
 def _print_timings(t: dict, n_tokens: int) -> None:
     click.echo(
         f"[{n_tokens} tokens | prefill {t['prefill_ms']:.1f} ms | decode {t['decode_ms_per_token_mean']:.2f} ms/token "

@@ -42,3 +42,7 @@ class DeviceError(Gpt2EdgeError):
 
 class QuantizeError(Gpt2EdgeError):
     """An unsupported or pointless quantization request."""
+
+
+class ConvertError(Gpt2EdgeError):
+    """An export folder cannot be converted to the requested deployment format."""

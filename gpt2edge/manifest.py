@@ -32,6 +32,9 @@ GENERATION_CONFIG = "generation_config.json"
 HEAD_MODES = ("last", "all")
 KV_CACHE_MODES = ("concat", "shared")
 ATTENTION_OPS = {"concat": "onnx", "shared": "com.microsoft.GroupQueryAttention"}
+# graph.format: "onnx" (export, quantize), "ort" (ONNX Runtime's flatbuffer, for minimal builds) and "genai"
+# (an ONNX graph in onnxruntime-genai's IO contract, run by genai, not by gpt2edge's runtime); see gpt2edge.convert
+GRAPH_FORMATS = ("onnx", "ort", "genai")
 
 
 def check_relpath(value: Any, where: str) -> str:
@@ -109,6 +112,10 @@ class ModelDims:
         return asdict(self)
 
 
+# optional graph fields taken as they are (then checked below)
+_GRAPH_KEYS = ("head", "kv_cache", "attention", "precision", "kv_dtype", "opset", "format")
+
+
 @dataclass(frozen=True)
 class GraphInfo:
     """The ONNX graph of a folder: its files (the .onnx first) and what kind of graph it is."""
@@ -122,6 +129,7 @@ class GraphInfo:
     kv_dtype: str = "float32"
     opset: int | None = None
     decode_weight_bytes: int | None = None
+    format: str = "onnx"  # GRAPH_FORMATS: "ort" and "genai" folders come from `gpt2edge convert`
 
     @classmethod
     def from_json(cls, g: Any, where: str) -> GraphInfo:
@@ -134,10 +142,14 @@ class GraphInfo:
         info = cls(
             file=file,
             files=tuple(check_relpath(f, where) for f in files),
-            **{k: g[k] for k in ("head", "kv_cache", "attention", "precision", "kv_dtype", "opset") if k in g},
+            **{k: g[k] for k in _GRAPH_KEYS if k in g},
             decode_weight_bytes=g.get("decode_weight_bytes"),
         )
-        for name, value, allowed in (("head", info.head, HEAD_MODES), ("kv_cache", info.kv_cache, KV_CACHE_MODES)):
+        for name, value, allowed in (
+            ("head", info.head, HEAD_MODES),
+            ("kv_cache", info.kv_cache, KV_CACHE_MODES),
+            ("format", info.format, GRAPH_FORMATS),
+        ):
             if value not in allowed:
                 raise ModelFolderError(f"{where}: unknown graph.{name} {value!r}; re-export the model.")
         if not isinstance(info.precision, str) or not isinstance(info.kv_dtype, str):

@@ -18,5 +18,6 @@ if [ "${1:-}" = "--gpu" ]; then
 else
     python -c "import importlib.metadata as m; m.version('onnxruntime-gpu')" 2>/dev/null \
         && { echo "onnxruntime-gpu is installed in .venv; remove .venv or run with --gpu" >&2; exit 1; }
-    pip_q -e '.[export,dev]'
+    # genai: onnxruntime-genai (tests of `convert --format genai`); it depends on the CPU onnxruntime, so CPU only
+    pip_q -e '.[export,dev,genai]'
 fi

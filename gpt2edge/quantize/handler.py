@@ -124,6 +124,9 @@ def quantize_model(
     src, out = Path(src), Path(out)
     info = load_manifest(src)  # every path it names stays inside src
     parent = dict(info.raw)
+    if info.graph.format != "onnx":  # .ort / genai folders (gpt2edge convert)
+        origin = parent.get("conversion", {}).get("parent", {}).get("path", "?")
+        raise QuantizeError(f"{src} is a converted folder; quantize the .onnx export it came from ({origin}).")
     check_sources(out, [src])  # -o equal to, inside or holding MODEL_DIR: --force would delete the input
     precision = info.graph.precision
     if precision != "fp32":

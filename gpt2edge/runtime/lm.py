@@ -35,7 +35,9 @@ class OrtGraph:
                 f"{folder.path} uses the shared KV cache (the CPU fast path, tested on CPU only); for {device} "
                 "export with --kv-cache concat."
             )
-        self.session = create_session(folder.graph_path, device=device, threads=threads)
+        self.session = create_session(
+            folder.graph_path, device=device, threads=threads, model_format=folder.graph_format
+        )
         d = folder.dims
         self.n_layer, self.n_head, self.head_dim = d["n_layer"], d["n_head"], d["head_dim"]
         self.vocab_size, self.n_positions = d["vocab_size"], d["n_positions"]

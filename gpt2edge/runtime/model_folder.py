@@ -38,6 +38,7 @@ class ModelFolder:
         """
         path = Path(path)
         info = load_manifest(path)
+        _check_graph_format(path, info.graph.format)
         if verify:
             verify_files(path, info)
         check_present(path, info.loaded_files())
@@ -62,6 +63,11 @@ class ModelFolder:
     @property
     def dims(self) -> ModelDims:
         return self.info.dims
+
+    @property
+    def graph_format(self) -> str:
+        """ "onnx" or "ort" (ONNX Runtime's own format; gpt2edge.manifest.GRAPH_FORMATS)."""
+        return self.info.graph.format
 
     @property
     def graph_path(self) -> Path:
@@ -104,3 +110,12 @@ class ModelFolder:
     def model_bytes(self) -> int:
         """Bytes of the graph files (the .onnx and its external data), as listed in the manifest."""
         return self.info.model_bytes()
+
+
+def _check_graph_format(path: Path, fmt: str) -> None:
+    """The runtime runs .onnx and .ort graphs; a genai folder is for onnxruntime-genai (its logits differ)."""
+    if fmt == "genai":
+        raise ModelFolderError(
+            f"{path} is an onnxruntime-genai folder (`gpt2edge convert --format genai`); run it with "
+            "onnxruntime_genai.Model, or give gpt2edge the folder it was converted from."
+        )

@@ -33,8 +33,13 @@ def check_threads(threads: int | None) -> None:
         )
 
 
-def create_session(graph: Path, device: str = "cpu", threads: int | None = None) -> ort.InferenceSession:
-    """A session on `device` ('cpu' or 'cuda'); raises DeviceError rather than silently falling back."""
+def create_session(
+    graph: Path, device: str = "cpu", threads: int | None = None, model_format: str = "onnx"
+) -> ort.InferenceSession:
+    """A session on `device` ('cpu' or 'cuda'); raises DeviceError rather than silently falling back.
+
+    model_format "ort" loads ONNX Runtime's own format (gpt2edge convert --format ort) whatever the file name.
+    """
     if device not in PROVIDERS:
         raise DeviceError(f"Unknown device '{device}'; choose one of {', '.join(PROVIDERS)}.")
     check_threads(threads)
@@ -49,6 +54,9 @@ def create_session(graph: Path, device: str = "cpu", threads: int | None = None)
     if threads:
         opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1  # one graph at a time: parallelism lives inside the matmuls
+    if model_format == "ort":
+        # said explicitly rather than left to the file suffix; the .ort graph was optimized when converted
+        opts.add_session_config_entry("session.load_model_format", "ORT")
     providers = [PROVIDERS[device]] if device == "cpu" else [PROVIDERS[device], PROVIDERS["cpu"]]
     sess = ort.InferenceSession(str(graph), sess_options=opts, providers=providers)
     if PROVIDERS[device] not in sess.get_providers():

@@ -1,0 +1,135 @@
+"""convert_folder: an export folder -> a new, atomically written folder in a deployment format.
+
+The handler checks the request, verifies the source, copies the tokenizer and configs, calls the format's
+writer (ort_format.py, genai.py) and writes a manifest whose graph.format says what the folder holds.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import gpt2edge
+from gpt2edge.convert.ort_format import check_ort_size
+from gpt2edge.errors import ConvertError
+from gpt2edge.folder import atomic_output_dir, check_output_dir
+from gpt2edge.manifest import graph_files, read_manifest, verify_files, write_manifest
+from gpt2edge.runtime.model_folder import ModelFolder
+
+FORMATS = ("ort", "genai")
+
+# a writer puts the converted graph into the new folder; returns (graph fields to update, conversion record)
+Writer = Callable[[ModelFolder, Path], "tuple[dict[str, Any], dict[str, Any]]"]
+
+
+def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = False) -> dict[str, Any]:
+    """Write export folder `src` in format `fmt` ("ort" or "genai") to the new folder `out`; returns its
+    manifest. Every check runs before anything is written; a failure leaves no `out` behind."""
+    src, out = Path(src), Path(out)
+    if fmt not in FORMATS:
+        raise ConvertError(f"Unknown format '{fmt}'; choose one of {', '.join(FORMATS)}.")
+    parent = read_manifest(src)
+    _check_not_converted(src, parent)
+    folder = ModelFolder.open(src, verify=False)  # the graph description, cheaply
+    if out.resolve() == src.resolve():
+        raise ConvertError("The output folder is the input folder; convert writes a new folder (-o elsewhere).")
+    if fmt == "ort":
+        check_ort_size(folder.model_bytes(), src)
+    check_output_dir(out, force)
+    verify_files(src, parent)  # every checksum, before any work
+    with atomic_output_dir(out, force=force) as tmp:
+        _copy_side_files(src, parent, tmp)
+        graph, record = _WRITERS[fmt](folder, tmp)
+        manifest = write_manifest(tmp, _converted_manifest(parent, src, fmt, graph, record))
+    return manifest
+
+
+def _check_not_converted(src: Path, parent: dict[str, Any]) -> None:
+    """Converting a converted folder would stack format on format: point at the export instead."""
+    graph = parent.get("graph")
+    done = graph.get("format", "onnx") if isinstance(graph, dict) else "onnx"
+    if done != "onnx":
+        origin = parent.get("conversion", {}).get("parent", {}).get("path", "its parent export")
+        raise ConvertError(f"{src} is already a converted ({done}) folder; convert the export it came from ({origin}).")
+
+
+def _copy_side_files(src: Path, parent: dict[str, Any], tmp: Path) -> None:
+    """Tokenizer and configs, unchanged (the graph files are the writer's)."""
+    for name in parent["files"]:
+        if name not in graph_files(parent):
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / name, tmp / name)
+
+
+def _write_ort(folder: ModelFolder, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    from gpt2edge.convert.ort_format import convert_to_ort
+    from gpt2edge.runtime.session import create_session
+
+    conv = convert_to_ort(folder.graph_path, tmp)
+    create_session(tmp / conv.file, model_format="ort")  # the file loads as the runtime will load it
+    return {"file": conv.file, "files": [conv.file], "format": "ort"}, conv.to_json()
+
+
+def _write_genai(folder: ModelFolder, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    import onnx
+
+    from gpt2edge.convert.genai import (
+        GENAI_CONFIG,
+        LOGITS,
+        LOGPROBS,
+        TOKENIZER_CONFIG,
+        add_logits_output,
+        genai_config,
+        tokenizer_config,
+    )
+    from gpt2edge.quantize.graph import save_model
+
+    graph = folder.manifest["graph"]
+    model = onnx.load(str(folder.graph_path))
+    outputs = list(graph.get("outputs", []))
+    logits = LOGPROBS  # a --head all graph's (B, S, V) output is bound as it is
+    if folder.head == "last":
+        entry = add_logits_output(model)
+        outputs = [entry if o.get("name") == LOGPROBS else o for o in outputs]
+        logits = LOGITS
+    files = save_model(model, tmp / graph["file"])
+    del model
+    generation = folder.generation_defaults()
+    config = genai_config(folder.manifest, generation, logits, files[0])
+    (tmp / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    tok = tokenizer_config(folder.tokenizer_path, generation, folder.dims["n_positions"])
+    (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tok, indent=2) + "\n")
+    record = {
+        "genai_config": GENAI_CONFIG,
+        "logits": logits,
+        "past_present_share_buffer": config["search"]["past_present_share_buffer"],
+    }
+    return {"file": files[0], "files": files, "format": "genai", "outputs": outputs}, record
+
+
+_WRITERS: dict[str, Writer] = {"ort": _write_ort, "genai": _write_genai}
+
+
+def _converted_manifest(
+    parent: dict[str, Any], src: Path, fmt: str, graph: dict[str, Any], record: dict[str, Any]
+) -> dict[str, Any]:
+    """The parent's manifest with the new graph files and format, and where the conversion came from."""
+    manifest = {k: v for k, v in parent.items() if k not in ("files", "validation", "format", "format_version")}
+    manifest.update(
+        gpt2edge_version=gpt2edge.__version__,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        graph={**parent["graph"], **graph},
+        conversion={
+            "format": fmt,
+            **record,
+            "parent": {
+                "path": str(src.resolve()),
+                "sha256": {f: parent["files"][f]["sha256"] for f in graph_files(parent)},
+            },
+        },
+    )
+    return manifest
