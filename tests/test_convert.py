@@ -205,10 +205,16 @@ def test_existing_output_needs_force(tiny_export, tmp_path):
     r = convert_cli(tiny_export, "-o", out, "--format", "ort")
     assert r.exit_code == 1 and "already exists; pass --force" in r.stderr
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    # --force replaces only a gpt2edge folder: the user's files stay
+    r = convert_cli(tiny_export, "-o", out, "--format", "ort", "--force")
+    assert r.exit_code == 1 and "not a gpt2edge folder" in r.stderr
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    (out / "mine.txt").unlink()
+    assert convert_cli(tiny_export, "-o", out, "--format", "genai", "--force").exit_code == 0  # empty: replaceable
     r = convert_cli(tiny_export, "-o", out, "--format", "ort", "--force", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["graph"]["format"] == "ort"  # stdout is exactly the manifest: no converter chatter
-    assert not (out / "mine.txt").exists() and ModelFolder.open(out).graph_format == "ort"
+    assert ModelFolder.open(out).graph_format == "ort"
 
 
 def test_tampered_or_oversized_source_is_refused(tiny_export, tmp_path):

@@ -19,6 +19,7 @@ from gpt2edge.export.static import (
     symbolic_values,
 )
 from gpt2edge.runtime import Generator
+from gpt2edge.runtime.lm import LMPool
 from gpt2edge.runtime.static_lm import StaticLM
 
 SHAPE = StaticShape(batch=2, chunk=8, capacity=64)
@@ -44,7 +45,8 @@ def test_two_graphs_store_the_weights_once(static_dir, hf_model):
 def static_gen(tiny_export, static_dir) -> Generator:
     """The ordinary Generator (tokenizer, sampler, generation loop) with the static graphs as its model."""
     gen = Generator(tiny_export)
-    gen.lm = StaticLM(static_dir / PREFILL_FILE, static_dir / DECODE_FILE)
+    gen._pool = LMPool(None, factory=lambda: StaticLM(static_dir / PREFILL_FILE, static_dir / DECODE_FILE))
+    gen.lm = gen._pool.primary
     return gen
 
 

@@ -35,11 +35,9 @@ def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = 
     parent = read_manifest(src)
     _check_not_converted(src, parent)
     folder = ModelFolder.open(src, verify=False)  # the graph description, cheaply
-    if out.resolve() == src.resolve():
-        raise ConvertError("The output folder is the input folder; convert writes a new folder (-o elsewhere).")
     if fmt == "ort":
         check_ort_size(folder.model_bytes(), src)
-    check_output_dir(out, force)
+    check_output_dir(out, force, sources=[src])  # equal to, inside or holding src: refused
     verify_files(src, parent)  # every checksum, before any work
     with atomic_output_dir(out, force=force) as tmp:
         _copy_side_files(src, parent, tmp)

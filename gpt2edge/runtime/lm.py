@@ -8,7 +8,7 @@ everything mutable lives in OrtLM, and concurrent generations each use their own
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -195,10 +195,14 @@ class LMPool:
     most `keep_idle` OrtLMs (each holding its last KV cache) stay for reuse; the others are dropped.
     """
 
-    def __init__(self, graph: OrtGraph, io_binding: bool = True, keep_idle: int = 4) -> None:
+    def __init__(
+        self, graph: OrtGraph | None, io_binding: bool = True, keep_idle: int = 4, factory: Callable | None = None
+    ) -> None:
         self.graph = graph
         self.io_binding = io_binding
         self.keep_idle = max(1, keep_idle)
+        # what makes one context: an OrtLM on `graph` by default (static graphs bring their own runner)
+        self._factory = factory or (lambda: OrtLM(self.graph, io_binding=self.io_binding))
         self._lock = threading.Lock()  # guards the two lists below; held for list operations only
         self._created = 0
         self._idle: list[tuple[int, OrtLM]] = []  # (creation number, lm), sorted
@@ -208,7 +212,7 @@ class LMPool:
     def _new(self) -> tuple[int, OrtLM]:
         """(creation number, a fresh OrtLM); call with the lock held."""
         self._created += 1
-        return self._created - 1, OrtLM(self.graph, io_binding=self.io_binding)
+        return self._created - 1, self._factory()
 
     @contextmanager
     def lease(self) -> Iterator[OrtLM]:
