@@ -42,24 +42,24 @@ def run_interactive(
 
     session = gen.session(on_overflow=notice)
     session.stream(**options).close()  # checks the options (raises) before the first line is read
-    print(BANNER, file=err, flush=True)
-    line = first
-    while True:
-        if line is None:
-            try:
+    try:
+        print(BANNER, file=err, flush=True)
+        line = first
+        while True:
+            if line is None:
                 line = read_line(stdin, err)
-            except KeyboardInterrupt:
-                print(file=err, flush=True)
-                return 130
-            if line is None or line.strip() == "/quit":
-                return 0
-            if line.strip() == "/reset":
-                session.reset()
-                print("[context cleared]", file=err, flush=True)
-                line = None
-                continue
-        turn(session, line, options, out, err)
-        line = None
+                if line is None or line.strip() == "/quit":
+                    return 0
+                if line.strip() == "/reset":
+                    session.reset()
+                    print("[context cleared]", file=err, flush=True)
+                    line = None
+                    continue
+            turn(session, line, options, out, err)  # Ctrl-C in a turn ends the turn only
+            line = None
+    except KeyboardInterrupt:  # at the prompt (or between turns): leave
+        print(file=err, flush=True)
+        return 130
 
 
 def read_line(stdin: TextIO, err: TextIO) -> str | None:

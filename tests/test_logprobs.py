@@ -134,7 +134,8 @@ def test_cli_json_logprobs_and_errors(tiny_export):
         res = runner.invoke(main, ["generate", str(tiny_export), "-p", "x", "--json", "--logprobs", bad])
         assert res.exit_code == 1 and res.stdout == ""
         assert res.stderr.strip().splitlines() == [
-            f"error: logprobs must be an integer from 0 (the chosen token only) to 400 (the vocabulary size), got {bad}."
+            "error: logprobs must be an integer from 0 (the chosen token only) to 400 (the vocabulary size), "
+            f"got {bad}."
         ]
     no_json = runner.invoke(main, ["generate", str(tiny_export), "-p", "x", "--logprobs", "2"])
     assert no_json.exit_code == 2 and "--logprobs needs --json" in no_json.stderr
