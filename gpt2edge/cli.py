@@ -114,9 +114,7 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
 
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option(
-    "-p", "--prompt", "prompts", multiple=True, help="Prompt text; repeat for a left-padded batch."
-)
+@click.option("-p", "--prompt", "prompts", multiple=True, help="Prompt text; repeat for a left-padded batch.")
 @click.option("-n", "--max-new-tokens", type=int, default=None, help="Tokens to generate [default: 32].")
 @click.option("--min-new-tokens", type=int, default=None, help="Suppress EOS until this many tokens.")
 @click.option("--temperature", type=float, default=None, help="Sampling temperature; 0 = greedy.")

@@ -154,7 +154,7 @@ def test_top_ids_orders_by_value_then_id_and_keeps_ties_fair():
 
 @pytest.mark.skipif(not (GPT2_TOKENIZER / "vocab.json").is_file(), reason="GPT-2 tokenizer files absent")
 def test_token_bytes_rebuild_text_split_inside_characters(tmp_path):
-    """"नमस्ते" and "🦜" are split inside characters by GPT-2's BPE: each piece's text is U+FFFD, yet the bytes of
+    """ "नमस्ते" and "🦜" are split inside characters by GPT-2's BPE: each piece's text is U+FFFD, yet the bytes of
     the tokens, joined, are exactly the text's UTF-8."""
     from transformers import GPT2TokenizerFast
 
