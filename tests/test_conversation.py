@@ -309,3 +309,14 @@ def test_cli_interactive_ctrl_c_at_the_prompt_exits_130_without_traceback(tiny_e
         guard.cancel()
     assert p.returncode == 130 and out == b""
     assert b"Traceback" not in rest
+
+
+@pytest.mark.filterwarnings("ignore::gpt2edge.runtime.conversation.ContextOverflowWarning")
+@pytest.mark.parametrize("kind", ["tiny_export", "tiny_export_shared"])
+def test_without_io_binding_the_session_gives_the_same_turns(kind, request):
+    export = request.getfixturevalue(kind)
+    bound, plain = Generator(export).session(), Generator(export, io_binding=False).session()
+    for text in TURNS * 2:  # long enough to overflow once
+        a = bound.generate(text, max_new_tokens=20, **GREEDY)
+        assert plain.generate(text, max_new_tokens=20, **GREEDY).token_ids == a.token_ids
+    assert bound.token_ids == plain.token_ids
