@@ -114,9 +114,7 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
 
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option(
-    "-p", "--prompt", "prompts", multiple=True, required=True, help="Prompt text; repeat for a left-padded batch."
-)
+@click.option("-p", "--prompt", "prompts", multiple=True, help="Prompt text; repeat for a left-padded batch.")
 @click.option("-n", "--max-new-tokens", type=int, default=None, help="Tokens to generate [default: 32].")
 @click.option("--min-new-tokens", type=int, default=None, help="Suppress EOS until this many tokens.")
 @click.option("--temperature", type=float, default=None, help="Sampling temperature; 0 = greedy.")
@@ -133,6 +131,10 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
 @click.option("--no-stream", is_flag=True, help="Print the text once it is complete.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (implies --no-stream).")
+@click.option(
+    "--logprobs", type=int, default=None, help="With --json: each token's log-prob and the N most likely (0 = none)."
+)
+@click.option("-i", "--interactive", is_flag=True, help="Each line of stdin extends the context; /reset, /quit.")
 @friendly_errors
 def generate(
     model_dir,
@@ -153,10 +155,13 @@ def generate(
     no_verify,
     no_stream,
     as_json,
+    logprobs,
+    interactive,
 ) -> None:
     """Generate text from the export folder MODEL_DIR (no PyTorch needed)."""
     from gpt2edge.runtime import Generator
 
+    _check_generate_modes(prompts, as_json, no_stream, logprobs, interactive, truncate)
     gen = Generator(model_dir, device=device, threads=threads, verify=not no_verify)
     kwargs = dict(
         max_new_tokens=max_new_tokens,
@@ -171,6 +176,11 @@ def generate(
         ignore_eos=ignore_eos,
         truncate=truncate,
     )
+    if interactive:
+        from gpt2edge.interactive import run_interactive
+
+        del kwargs["truncate"]  # a session drops its oldest tokens instead
+        sys.exit(run_interactive(gen, prompts[0] if prompts else None, kwargs))
     if len(prompts) == 1 and not (no_stream or as_json):
         results: list = []
         pieces = gen.stream(prompts[0], result=results, **kwargs)  # raises on bad parameters, before output
@@ -184,7 +194,7 @@ def generate(
         click.echo()
         _print_timings(results[0].timings, len(results[0].token_ids))
         return
-    results = gen.generate(list(prompts), **kwargs)
+    results = gen.generate(list(prompts), logprobs=logprobs, **kwargs)
     if as_json:
         objs = [{"prompt": p, **r.to_json()} for p, r in zip(prompts, results)]
         print_json(objs[0] if len(objs) == 1 else {"results": objs})
@@ -423,6 +433,16 @@ def convert(model_dir, out, fmt, force, as_json) -> None:
     else:
         size = sum(f["size"] for f in manifest["files"].values())
         click.echo(f"wrote {out} ({fmt}, {manifest['graph']['file']}, {size / 1e6:.1f} MB)")
+
+
+def _check_generate_modes(prompts, as_json, no_stream, logprobs, interactive, truncate) -> None:
+    """Option combinations generate refuses, before the model is loaded."""
+    if interactive and (len(prompts) > 1 or as_json or no_stream or logprobs is not None or truncate):
+        raise click.UsageError("-i takes at most one -p and no --json, --no-stream, --logprobs or --truncate.")
+    if not prompts and not interactive:
+        raise click.UsageError("Missing option '-p' / '--prompt' (or pass -i for an interactive session).")
+    if logprobs is not None and not as_json:
+        raise click.UsageError("--logprobs needs --json (the log-probs are part of the JSON output).")
 
 
 def _print_timings(t: dict, n_tokens: int) -> None:

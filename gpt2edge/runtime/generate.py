@@ -14,6 +14,7 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.logprobs import LogprobRecorder
 from gpt2edge.runtime.sampling import SamplingParams, next_tokens
 from gpt2edge.runtime.tokenizer import TextStream, TextTokenizer
 
@@ -39,6 +40,7 @@ class GenerationState:
     decode_ms: list[float] = field(default_factory=list)  # one entry per forward after the prefill
     sampler_ms: list[float] = field(default_factory=list)  # one entry per sampled token step
     wall_ms: float = 0.0  # from the start of the prefill to the last sampled token
+    logprobs: LogprobRecorder | None = None  # set to record each generated token's log-prob (and top-N)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, total: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,6 +117,7 @@ def decode_n_tokens(
     eos = set(params.eos_token_id)
     for step in range(params.max_new_tokens):
         _check_finite(logprobs, step)
+        raw = logprobs.copy() if state.logprobs is not None else None  # the model's, before any processor
         t0 = time.perf_counter()
         tokens = next_tokens(logprobs, params, seen, step, rng)
         state.sampler_ms.append((time.perf_counter() - t0) * 1e3)
@@ -132,6 +135,8 @@ def decode_n_tokens(
                 state.finish_reasons[b] = "length"
             if state.finish_reasons[b] is not None:
                 state.texts[b].finish()
+        if raw is not None:
+            state.logprobs.record(raw, tokens, active)
         yield Step(step, tokens, active, list(state.finish_reasons))
         if all(r is not None for r in state.finish_reasons):
             return

@@ -1,0 +1,233 @@
+"""A conversation that keeps its KV cache across calls (llama.cpp's `-i`/`--interactive`, transformers' reuse of
+`past_key_values`): `session = Generator(dir).session(); session.append("..."); session.generate(...)`.
+
+The session owns one OrtLM, reserved once for n_positions, and the token history of everything appended and
+generated. Invariant between turns: the cache holds every history token but perhaps the last (the last token a
+turn samples is never fed by that turn). So a turn feeds, in one forward, only what the cache lacks: the
+previous turn's last token and the text appended since; its prefill cost does not grow with the history.
+
+append() only tokenizes: the tokens are fed by the next turn, which knows its max_new_tokens and so whether the
+context still fits. When it would not (history + max_new_tokens > n_positions), the oldest tokens are dropped,
+keeping the newest half of the positions (or fewer when max_new_tokens needs more room), as llama.cpp's
+context shift does, so that later turns do not overflow again at once; GPT-2's positions are absolute, so the
+kept tokens are prefilled again from position 0. Each overflow is reported to `on_overflow`, or else as a
+ContextOverflowWarning.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.generate import GenerationState, Step, decode_n_tokens
+from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.tokenizer import TextStream
+
+if TYPE_CHECKING:
+    from gpt2edge.runtime.generator import GenerationResult, Generator
+
+
+class ContextOverflowWarning(UserWarning):
+    """A session's context passed n_positions and its oldest tokens were dropped."""
+
+
+@dataclass(frozen=True)
+class ContextOverflow:
+    """The oldest `dropped` tokens left the context; the newest `kept` ones were prefilled again."""
+
+    dropped: int
+    kept: int
+    n_positions: int
+
+    def message(self) -> str:
+        return (
+            f"context full ({self.n_positions} positions): dropped the oldest {self.dropped} tokens, "
+            f"re-prefilling the newest {self.kept}"
+        )
+
+
+def kept_length(history: int, max_new_tokens: int, n_positions: int) -> int | None:
+    """How many of the newest history tokens a turn keeps, or None when all of them fit."""
+    room = n_positions - max_new_tokens  # context tokens that fit with this turn's output
+    if history <= room:
+        return None
+    return min(room, n_positions // 2)  # drop at least half the positions, so the next turns fit again
+
+
+class Conversation:
+    """Turns on one KV cache: append() text, generate() or stream() a continuation; both extend the history.
+
+    One thread at a time (it owns one OrtLM); other calls of its Generator run alongside on their own caches.
+    Sampling arguments are those of Generator.generate. Not usable while one of its streams is still open.
+    """
+
+    def __init__(
+        self, generator: Generator, lm: OrtLM, on_overflow: Callable[[ContextOverflow], None] | None = None
+    ) -> None:
+        self.generator = generator
+        self.lm = lm
+        self.n_positions = lm.n_positions
+        self.on_overflow = on_overflow
+        self._history: list[int] = []
+        self._mask = np.ones((1, self.n_positions), dtype=np.int64)  # batch 1, no padding: every position is real
+        self._cache_valid = False  # False: rebuild the cache from the history before the next turn
+        self._busy = False
+        self.last_prefill_tokens = 0  # tokens the last turn fed in its prefill (what the cache lacked)
+        lm.start(1, self.n_positions)  # the one reservation for the whole conversation
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The context: every token appended or generated and not dropped since."""
+        return list(self._history)
+
+    @property
+    def text(self) -> str:
+        return self.generator.tokenizer.decode(self._history)
+
+    def append(self, text: str) -> list[int]:
+        """Add text to the context (tokenized on its own, as typed); the next turn feeds it. Returns its ids."""
+        self._check_idle()
+        ids = self.generator.tokenizer.encode(text)
+        self._history += ids
+        return ids
+
+    def reset(self) -> None:
+        """Forget the context (the cache memory is kept)."""
+        self._check_idle()
+        self._history = []
+        self._cache_valid = False
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        callback: Callable[[Step], None] | None = None,
+        ignore_eos: bool = False,
+        stop: str | Sequence[str] | None = (),
+        seed: int | None = None,
+        logprobs: int | None = None,
+        **sampling: Any,
+    ) -> GenerationResult:
+        """Append `prompt` (if given), then continue the context. Its prompt_token_ids are the whole context the
+        model saw; its prefill_ms times the one forward of this turn's new tokens. Ctrl-C ends the turn with
+        finish_reason "interrupted" and keeps what it generated."""
+        state = self._prepare(ignore_eos, stop, seed, logprobs, sampling)
+        with closing(self._steps(prompt, state)) as steps:
+            try:
+                for step in steps:
+                    if callback is not None:
+                        callback(step)
+            except KeyboardInterrupt:
+                state.finish_reasons = [r or "interrupted" for r in state.finish_reasons]
+        return self.generator._results(state)[0]
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        ignore_eos: bool = False,
+        stop: str | Sequence[str] | None = (),
+        seed: int | None = None,
+        result: list | None = None,
+        logprobs: int | None = None,
+        **sampling: Any,
+    ) -> Iterator[str]:
+        """generate() as text pieces (see Generator.stream); bad parameters raise here. The turn starts at the
+        first piece; closing the stream early ends it there, keeping the tokens generated so far."""
+        state = self._prepare(ignore_eos, stop, seed, logprobs, sampling)
+        return self._pieces(prompt, state, result)
+
+    def _pieces(self, prompt: str | None, state: GenerationState, result: list | None) -> Iterator[str]:
+        text = None
+        with closing(self._steps(prompt, state)) as steps:
+            for _ in steps:
+                text = state.texts[0]
+                piece = text.take()
+                if piece:
+                    yield piece
+        if text is not None:
+            text.finish()
+            tail = text.take()
+            if tail:
+                yield tail
+        if result is not None:
+            result.append(self.generator._results(state)[0])
+
+    def _prepare(self, ignore_eos, stop, seed, logprobs, sampling) -> GenerationState:
+        """Check the turn's parameters before anything changes; raises GenerationError."""
+        gen = self.generator
+        params = gen.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
+        if params.max_new_tokens >= self.n_positions:
+            raise GenerationError(
+                f"max_new_tokens={params.max_new_tokens} leaves no room for any context in the model's "
+                f"{self.n_positions} positions; lower it to at most {self.n_positions - 1}."
+            )
+        self._check_idle()
+        return GenerationState(prompts=[], params=params, logprobs=gen.logprob_recorder(logprobs, 1))
+
+    def _steps(self, prompt: str | None, state: GenerationState) -> Iterator[Step]:
+        """One turn: extend the history, feed what the cache lacks, decode; the generated tokens join the
+        history however the turn ends."""
+        self._check_idle()
+        self._busy = True
+        gen, lm = self.generator, self.lm
+        state.generated, state.finish_reasons = [[]], [None]
+        state.texts = [TextStream(gen.tokenizer, state.params.stop)]
+        try:
+            if prompt:
+                self._history += gen.tokenizer.encode(prompt)
+            if not self._history:
+                self._history = [int(gen.bos_token_id)]  # GPT-2 starts from <|endoftext|>
+            self._fit(state.params.max_new_tokens)
+            state.prompts = [list(self._history)]
+            t0 = time.perf_counter()
+            logprobs = self._feed_missing()
+            state.prefill_ms = (time.perf_counter() - t0) * 1e3
+            rng = np.random.default_rng(state.params.seed)
+            for step in decode_n_tokens(lm, state, logprobs, self._mask, gen.pad_token_id, rng):
+                state.wall_ms = (time.perf_counter() - t0) * 1e3
+                yield step
+        except KeyboardInterrupt:
+            state.finish_reasons = [r or "interrupted" for r in state.finish_reasons]
+            self._cache_valid = False  # a forward may have been cut short: rebuild the cache next turn
+        finally:
+            self._history += state.generated[0]
+            self._busy = False
+
+    def _fit(self, max_new_tokens: int) -> None:
+        """Drop the oldest tokens when the context and this turn's output would pass n_positions."""
+        keep = kept_length(len(self._history), max_new_tokens, self.n_positions)
+        if keep is None:
+            return
+        notice = ContextOverflow(len(self._history) - keep, keep, self.n_positions)
+        self._history = self._history[-keep:]
+        self._cache_valid = False  # absolute positions: the kept tokens must be prefilled from position 0
+        if self.on_overflow is not None:
+            self.on_overflow(notice)
+        else:
+            warnings.warn(notice.message(), ContextOverflowWarning, stacklevel=4)
+
+    def _feed_missing(self) -> np.ndarray:
+        """Feed the history tokens the cache lacks in one forward; returns the next token's log-probs (1, V)."""
+        lm = self.lm
+        if not self._cache_valid or lm.past_len >= len(self._history):
+            lm.start(1, self.n_positions)  # past_len = 0; reuses the reserved buffers
+            self._cache_valid = True
+        past = lm.past_len
+        ids = np.asarray([self._history[past:]], dtype=np.int64)  # (1, S)
+        self.last_prefill_tokens = ids.shape[1]
+        positions = np.arange(past, len(self._history), dtype=np.int64)[None]  # (1, S)
+        return lm.forward(ids, self._mask[:, : len(self._history)], positions)
+
+    def _check_idle(self) -> None:
+        if self._busy:
+            raise GenerationError(
+                "This session is in the middle of a turn (a stream is still open); exhaust or close it first."
+            )
