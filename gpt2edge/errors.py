@@ -38,3 +38,7 @@ class DeviceError(Gpt2EdgeError):
 
 class QuantizeError(Gpt2EdgeError):
     """An unsupported or pointless quantization request."""
+
+
+class MissingExtraError(Gpt2EdgeError):
+    """A command needs an optional extra (torch, onnx, ...) that this install does not have."""
