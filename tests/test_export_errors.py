@@ -149,7 +149,10 @@ def _zeros(*shape):
     [
         (dict(config={"n_layer": 4}), ["n_layer=4 but the weights hold 2 layers", "missing"]),
         (dict(config={"n_layer": 1}), ["n_layer=1 but the weights hold 2 layers", "not part of the model"]),
-        (dict(config={"n_embd": 32}), ["another shape than config.json implies", "(192,) in the weights, (96,) from the config"]),
+        (
+            dict(config={"n_embd": 32}),
+            ["another shape than config.json implies", "(192,) in the weights, (96,) from the config"],
+        ),
         (dict(drop=["transformer.h.1.mlp.c_fc.bias"]), ["1 weight(s) are missing", "h.1.mlp.c_fc.bias"]),
         (dict(add={"transformer.h.0.extra.weight": _zeros(3)}), ["not part of the model", "h.0.extra.weight"]),
     ],
