@@ -477,3 +477,23 @@ def test_quantized_export_looks_up_embeddings_with_gather_block_quantized(varian
     for mode in ("int8", "int4"):
         ops = [n.op_type for n in onnx.load(str(variants[mode] / "model.onnx")).graph.node]
         assert ops.count("GatherBlockQuantized") == 2 and "BitShift" not in ops, (mode, ops)
+
+
+def test_reports_on_stdout_and_json_stdout_is_pure(tiny_export, variants, tmp_path):
+    """quantize and parity print their report the same way: on stdout, or on stderr under --json (whose
+    stdout is one JSON document); no progress bar off a terminal."""
+    import json
+
+    r = quantize_cli(tiny_export, "-o", tmp_path / "a", "--mode", "int8")
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    assert r.stdout.startswith("int8 vs fp32:\n") and "mean KL(ref || variant)" in r.stdout
+    r = quantize_cli(tiny_export, "-o", tmp_path / "b", "--mode", "int8", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["quality"]["variant"] == str(tmp_path / "b")
+    assert r.stderr.startswith("int8 vs fp32:\n"), r.stderr
+
+    pair = [str(tiny_export), str(variants["int8"])]
+    r = CliRunner().invoke(main, ["parity", *pair])
+    assert r.exit_code == 0 and r.stderr == "" and "mean KL(ref || variant)" in r.stdout, r.output
+    r = CliRunner().invoke(main, ["parity", *pair, "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["violations"] == []
+    assert "mean KL(ref || variant)" in r.stderr
