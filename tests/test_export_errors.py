@@ -218,3 +218,26 @@ def test_json_stdout_is_pure_and_no_progress_bar_off_a_terminal(tmp_path, tiny_c
     assert json.loads(r.stdout)["format"] == "gpt2edge-export"
     assert r.stderr.startswith("validation (ONNX Runtime vs PyTorch"), r.stderr
     assert "it/s" not in r.stderr and "step" not in r.stderr and "\r" not in r.stderr, r.stderr
+
+
+def test_unreachable_hub_fails_at_once_without_retries(tmp_path, monkeypatch):
+    """Not marked offline, but no connection: one connection check, then one line (no per-file retries)."""
+    from gpt2edge.export import hub
+
+    monkeypatch.setattr(hub, "_hub_reachable", lambda: False)
+    r = export_cli("-m", "some-org/not-a-real-model-xyz", tmp_path / "out")
+    assert_failed(r, "the Hugging Face Hub is unreachable", "not in the local Hugging Face cache")
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_offline_hub_id_loads_from_the_local_cache(tmp_path, tiny_checkpoint):
+    """HF_HUB_OFFLINE=1 with the model in the Hugging Face cache: it loads from there, without the network."""
+    snapshot = tmp_path / "hub" / "models--some-org--tiny" / "snapshots" / "0123abc"
+    shutil.copytree(tiny_checkpoint, snapshot)
+    (tmp_path / "hub" / "models--some-org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--some-org--tiny" / "refs" / "main").write_text("0123abc")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    code = "from gpt2edge.export.checkpoint import load_checkpoint; print(load_checkpoint('some-org/tiny').source)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "'kind': 'hub'" in p.stdout and "'model': 'some-org/tiny'" in p.stdout

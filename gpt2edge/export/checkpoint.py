@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from gpt2edge.errors import CheckpointError
+from gpt2edge.export.hub import cache_only
+from gpt2edge.export.loading_check import check_loading_info
 from gpt2edge.manifest import FORMAT, MANIFEST_NAME
 
 WEIGHT_FILES = (
@@ -28,11 +27,6 @@ WEIGHT_FILES = (
 )
 # "gpt2", "openai-community/gpt2", "microsoft/DialoGPT-small": at most one slash, no path-like prefix
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-# one TCP connect decides whether the hub is reachable: no 30 s of retries per file when it is not
-HUB_CONNECT_TIMEOUT_S = 3.0
-# buffers some checkpoints carry (causal-mask tables): they hold no weights, so their absence is fine
-_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
-_LAYER = re.compile(r"\.h\.(\d+)\.")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
@@ -96,42 +90,6 @@ def _check_model_type(model_type: str | None, where: str) -> None:
         )
 
 
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, read now (huggingface_hub reads them once, at import)."""
-    return any(
-        os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
-
-
-def _hub_reachable() -> bool:
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((url.hostname or "huggingface.co", port), timeout=HUB_CONNECT_TIMEOUT_S).close()
-    except OSError:
-        return False
-    return True
-
-
-def _hub_source(repo_id: str, revision: str | None, filenames: tuple[str, ...]) -> Source:
-    """A hub id, read from the network when it is reachable and allowed, else from the local cache only.
-
-    Decided once, in at most a few seconds, so an offline machine gets one clear error instead of retries."""
-    from huggingface_hub import try_to_load_from_cache
-
-    offline = hub_offline()
-    if not offline and _hub_reachable():
-        return Source("hub", repo_id)
-    cached = any(isinstance(try_to_load_from_cache(repo_id, f, revision=revision), str) for f in filenames)
-    if not cached:
-        why = "HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE is set" if offline else "the Hugging Face Hub is unreachable"
-        raise CheckpointError(
-            f"'{repo_id}' is not a local folder and could not be fetched from the Hugging Face Hub ({why}: this "
-            "machine is offline, and the id is not in the local Hugging Face cache); pass a local checkpoint folder."
-        )
-    return Source("hub", repo_id, offline=True)
-
-
 def resolve_source(source: str, revision: str | None = None) -> Source:
     """Decide whether `source` is a local folder or a hub id, and whether the hub can be used."""
     path = Path(source).expanduser()
@@ -145,7 +103,7 @@ def resolve_source(source: str, revision: str | None = None) -> Source:
             f"{source} does not exist, and it is not a Hugging Face Hub id such as 'gpt2' or 'org/name' "
             "(for a hub model, note that this machine may be offline)."
         )
-    return _hub_source(source, revision, ("config.json",))
+    return Source("hub", source, offline=cache_only(source, revision, ("config.json",)))
 
 
 @contextlib.contextmanager
@@ -163,51 +121,6 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def _layers(keys) -> set[int]:
-    return {int(m.group(1)) for k in keys if (m := _LAYER.search(k))}
-
-
-def _layers_in_weights(missing: list[str], unexpected: list[str], model_keys: list[str]) -> set[int]:
-    """Block indices the checkpoint holds: the model's, less those missing whole, plus unexpected ones."""
-    by_layer: dict[int, set[str]] = {}
-    for k in model_keys:
-        if m := _LAYER.search(k):
-            by_layer.setdefault(int(m.group(1)), set()).add(k)
-    whole = {i for i, keys in by_layer.items() if keys <= set(missing)}
-    return (set(by_layer) - whole) | _layers(unexpected)
-
-
-def check_loading_info(info: dict[str, Any], source: str, n_layer: int, model_keys: list[str]) -> None:
-    """Every parameter must come from the checkpoint: refuse missing, unexpected and mis-shaped weights.
-
-    transformers would initialise missing ones at random (and validation against that same random model
-    would pass); a tied LM head is not missing (it is the embedding), mask buffers carry no weights."""
-    missing = sorted(k for k in info["missing_keys"] if not k.endswith(_BUFFER_SUFFIXES))
-    unexpected = sorted(k for k in info["unexpected_keys"] if not k.endswith(_BUFFER_SUFFIXES))
-    mismatched = sorted(info["mismatched_keys"])
-    if not (missing or unexpected or mismatched):
-        return
-    problems = []
-    # the common cause, a wrong n_layer, named outright
-    held = len(_layers_in_weights(missing, unexpected, model_keys))
-    if held != n_layer:
-        problems.append(f"config.json says n_layer={n_layer} but the weights hold {held} layers")
-    if mismatched:
-        key, in_weights, from_config = mismatched[0]
-        problems.append(
-            f"{len(mismatched)} weight(s) have another shape than config.json implies "
-            f"(e.g. {key}: {tuple(in_weights)} in the weights, {tuple(from_config)} from the config)"
-        )
-    if missing:
-        problems.append(f"{len(missing)} weight(s) are missing (e.g. {', '.join(missing[:2])})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} weight(s) are not part of the model (e.g. {', '.join(unexpected[:2])})")
-    raise CheckpointError(
-        f"The weights of {source} do not match its config.json: {'; '.join(problems)}. "
-        "Fix config.json (n_layer, n_embd, n_head, vocab_size, n_positions) or re-save with save_pretrained."
-    )
 
 
 def load_checkpoint(
@@ -280,7 +193,7 @@ def _tokenizer_location(src: Source, revision: str | None, tokenizer_source: str
         return src.location, revision, src.offline
     if Path(tokenizer_source).expanduser().exists() or not _HUB_ID.match(tokenizer_source):
         return tokenizer_source, None, False
-    return tokenizer_source, None, _hub_source(tokenizer_source, None, _TOKENIZER_FILES).offline
+    return tokenizer_source, None, cache_only(tokenizer_source, None, _TOKENIZER_FILES)
 
 
 def load_tokenizer(location: str, revision: str | None = None, local_files_only: bool = False):
