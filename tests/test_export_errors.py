@@ -26,7 +26,7 @@ def leftovers(parent):
 
 def assert_failed(result, *phrases):
     assert result.exit_code == 1, result.output
-    line = result.output.strip().splitlines()[-1]
+    line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ")
     for phrase in phrases:
         assert phrase in line, line
@@ -78,8 +78,13 @@ def test_existing_output_needs_force(tmp_path, tiny_checkpoint):
 
 
 def test_unsupported_opset(tmp_path, tiny_checkpoint):
+    from gpt2edge.errors import ExportError
+    from gpt2edge.export import export_model
+
     r = export_cli("-m", tiny_checkpoint, tmp_path / "out", "--opset", "11")
-    assert_failed(r, "Opset 11 is not supported")
+    assert r.exit_code == 2 and "Invalid value for '--opset': 11 is not in the range 18<=x<=23" in r.output
+    with pytest.raises(ExportError, match="Opset 11 is not supported; choose 18..23"):
+        export_model(str(tiny_checkpoint), tmp_path / "out", opset=11)
     assert not (tmp_path / "out").exists()
 
 

@@ -116,6 +116,7 @@ def export_model(
                 if log is not None:
                     print(f"validation (ONNX Runtime vs PyTorch, atol {atol:g}):", file=log)
                     print_checks(checks, file=log)
+                    log.flush()  # before an error line on the other stream
                 raise_on_failure(checks)
 
             manifest = write_manifest(
