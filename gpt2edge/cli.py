@@ -14,7 +14,11 @@ import click
 
 from gpt2edge import __version__
 from gpt2edge.errors import Gpt2EdgeError
+from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, SUPPORTED_OPSETS
+from gpt2edge.extras import require_extra
 from gpt2edge.manifest import HEAD_MODES, KV_CACHE_MODES
+from gpt2edge.quantize.handler import ACCURACY_LEVELS, HEAD_BITS, MODES
+from gpt2edge.quantize.primitives import BLOCK_SIZES
 
 
 def friendly_errors(fn):
@@ -33,6 +37,12 @@ def friendly_errors(fn):
 
 def print_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def report_stream(as_json: bool):
+    """Where a human report (validation table, quality report) goes: stdout, or stderr under --json, whose
+    stdout is exactly one JSON document. Progress bars (on a terminal only) and errors go to stderr."""
+    return sys.stderr if as_json else sys.stdout
 
 
 @click.group()
@@ -58,16 +68,26 @@ def main() -> None:
     show_default=True,
     help="concat: Optimum's past/present contract; shared: the CPU fast path (cache updated in place).",
 )
-@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset (18..23).")
+@click.option(
+    "--opset",
+    type=click.IntRange(SUPPORTED_OPSETS.start, SUPPORTED_OPSETS.stop - 1),
+    default=DEFAULT_OPSET,
+    show_default=True,
+    help="ONNX opset.",
+)
 @click.option("--validate/--no-validate", default=True, show_default=True, help="Compare with PyTorch after export.")
-@click.option("--atol", type=float, default=1e-4, show_default=True, help="Validation tolerance (max abs diff).")
+@click.option(
+    "--atol", type=float, default=DEFAULT_ATOL, show_default=True, help="Validation tolerance (max abs diff, > 0)."
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
 @click.option("--tokenizer", default=None, help="Take the tokenizer from this folder or hub id instead.")
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout (the table on stderr).")
 @friendly_errors
 def export(source, out, head, kv_cache, opset, validate, atol, force, revision, tokenizer, as_json) -> None:
-    """Export checkpoint -m SOURCE to the folder OUT (ONNX graph, tokenizer, configs, manifest)."""
+    """Export checkpoint -m SOURCE to the folder OUT (ONNX graph, tokenizer, configs, manifest).
+
+    The validation table goes to stdout (stderr with --json)."""
     from gpt2edge.export import export_model
 
     result = export_model(
@@ -81,6 +101,7 @@ def export(source, out, head, kv_cache, opset, validate, atol, force, revision, 
         force=force,
         revision=revision,
         tokenizer=tokenizer,
+        log=report_stream(as_json),
     )
     if as_json:
         print_json(result.manifest)
@@ -208,15 +229,22 @@ def generate(
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True, help="New export folder.")
-@click.option("--mode", required=True, help="fp16, int8 or int4.")
-@click.option("--block-size", type=int, default=None, help="Weights per scale along K [default: int8 128, int4 32].")
+@click.option("--mode", type=click.Choice(MODES), required=True, help="Precision of the new folder.")
+@click.option(
+    "--block-size",
+    type=click.Choice(BLOCK_SIZES),
+    default=None,
+    help="Weights per scale along K [default: int8 128, int4 32].",
+)
 @click.option(
     "--accuracy-level",
-    type=int,
+    type=click.Choice(ACCURACY_LEVELS),
     default=None,
     help="MatMulNBits compute type: 0 float, 4 int8 activations [default: 4, fastest on CPU].",
 )
-@click.option("--head-bits", type=int, default=None, help="Bits of the tied embedding/LM head [default: 8].")
+@click.option(
+    "--head-bits", type=click.Choice(HEAD_BITS), default=None, help="Bits of the tied embedding/LM head [default: 8]."
+)
 @click.option("--keep-head-fp32", is_flag=True, help="Leave the embedding/LM head in fp32.")
 @click.option(
     "--symmetric/--asymmetric",
@@ -228,11 +256,13 @@ def generate(
     "text_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="Text file for the quality report [default: built-in English text].",
+    help="Text file for the quality report, 2 tokens or more [default: built-in English text].",
 )
 @click.option("--no-report", is_flag=True, help="Skip the quality report.")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
-@click.option("--json", "as_json", is_flag=True, help="Print the new manifest (with the report) as JSON.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the new manifest (with the report) as JSON (the table on stderr)."
+)
 @friendly_errors
 def quantize(
     model_dir,
@@ -248,12 +278,17 @@ def quantize(
     force,
     as_json,
 ) -> None:
-    """Write an fp16 / int8 / int4 variant of the export folder MODEL_DIR, with a quality report."""
+    """Write an fp16 / int8 / int4 variant of the export folder MODEL_DIR, with a quality report.
+
+    The report goes to stdout (stderr with --json)."""
     from gpt2edge.quantize import make_recipe, quantize_model
 
+    require_extra("quantize", "quantize")
     recipe = make_recipe(mode, block_size, accuracy_level, head_bits, keep_head_fp32, symmetric)
     text = text_file.read_text() if text_file else None
-    manifest = quantize_model(model_dir, out, recipe, force=force, text=text, report=not no_report)
+    manifest = quantize_model(
+        model_dir, out, recipe, force=force, text=text, report=not no_report, log=report_stream(as_json)
+    )
     if as_json:
         print_json(manifest)
     else:
@@ -267,25 +302,35 @@ def quantize(
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.argument("other_dir", type=click.Path(path_type=Path), required=False)
 @click.option("-m", "--model", "source", default=None, help="Compare MODEL_DIR with this PyTorch source instead.")
-@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None)
-@click.option("--max-tokens", type=int, default=256, show_default=True, help="Tokens of the text to score.")
+@click.option(
+    "--text",
+    "text_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Text file to score, 2 tokens or more [default: built-in English text].",
+)
+@click.option(
+    "--max-tokens", type=click.IntRange(min=2), default=256, show_default=True, help="Tokens of the text to score."
+)
 @click.option("--max-kl", type=float, default=None, help="Fail if mean KL(ref || variant) exceeds this.")
 @click.option("--min-top1", type=float, default=None, help="Fail if top-1 agreement is below this (0..1).")
 @click.option("--max-logprob-diff", type=float, default=None, help="Fail if max |Δ logprob| exceeds this.")
 @click.option("--min-greedy-match", type=int, default=None, help="Fail if fewer greedy tokens match.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (the table on stderr).")
 @friendly_errors
 def parity(
     model_dir, other_dir, source, text_file, max_tokens, max_kl, min_top1, max_logprob_diff, min_greedy_match, as_json
 ) -> None:
-    """Quality report of OTHER_DIR against MODEL_DIR (two export folders), or of MODEL_DIR against -m SOURCE."""
+    """Quality report of OTHER_DIR against MODEL_DIR (two export folders), or of MODEL_DIR against -m SOURCE.
+
+    The report goes to stdout (stderr with --json)."""
     from gpt2edge.errors import ValidationError
     from gpt2edge.quality import compare_folders, print_report, violations
 
     if (other_dir is None) == (source is None):
         raise click.UsageError("Give either a second export folder or -m SOURCE.")
-    if max_tokens < 2:
-        raise click.BadParameter("must be >= 2", param_hint="--max-tokens")
+    if source is not None:
+        require_extra("export", "parity -m")
     text = text_file.read_text() if text_file else None
     if source is not None:
         from gpt2edge.export.reference import compare_with_source
@@ -297,10 +342,9 @@ def parity(
         report, max_kl=max_kl, min_top1=min_top1, max_logprob_diff=max_logprob_diff, min_greedy_match=min_greedy_match
     )
     report["violations"] = failed
+    print_report(report, title=f"{report['variant']} vs {report['reference']}", file=report_stream(as_json))
     if as_json:
         print_json(report)
-    else:
-        print_report(report, title=f"{report['variant']} vs {report['reference']}", file=sys.stdout)
     if failed:
         raise ValidationError("Parity thresholds exceeded: " + "; ".join(failed) + ".")
 

@@ -46,3 +46,7 @@ class QuantizeError(Gpt2EdgeError):
 
 class ConvertError(Gpt2EdgeError):
     """An export folder cannot be converted to the requested deployment format."""
+
+
+class MissingExtraError(Gpt2EdgeError):
+    """A command needs an optional extra (torch, onnx, ...) that this install does not have."""

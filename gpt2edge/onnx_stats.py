@@ -31,7 +31,7 @@ def decode_weight_bytes(path: Path) -> int:
     readers = reader_ops(model.graph)
     total = 0
     for init in model.graph.initializer:
-        if readers.get(init.name, set()) <= {"Gather"}:
+        if readers.get(init.name, set()) <= {"Gather", "GatherBlockQuantized"}:
             continue  # gathered rows only (or unused)
         itemsize = np.dtype(tensor_dtype_to_np_dtype(init.data_type)).itemsize
         total += int(np.prod(init.dims, dtype=np.int64)) * itemsize

@@ -2,9 +2,10 @@
 
 Both sides are run token by token through the KV cache (the path generation uses). Metrics, over every
 position of the stream: mean KL(reference || variant), top-1 agreement, max |delta log-prob| (whole vocab),
-perplexity of each, and how many of 64 greedy tokens match before the first divergence. The reference is
-another export folder (fp32 parent) or, via gpt2edge.export.reference, the PyTorch source model.
-No torch here: the runtime extra is enough.
+perplexity of each, and greedy agreement: both sides decode 64 greedy tokens from several points of the
+stream (a divergence can start anywhere), and the report keeps the shortest run of matching tokens and where
+it started. The reference is another export folder (fp32 parent) or, via gpt2edge.export.reference, the
+PyTorch source model. No torch here: the runtime extra is enough.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from gpt2edge.errors import GenerationError, ModelFolderError
+from gpt2edge.manifest import read_manifest
 from gpt2edge.runtime.generate import generate
 from gpt2edge.runtime.lm import OrtLM
 from gpt2edge.runtime.model_folder import ModelFolder
@@ -25,12 +28,48 @@ from gpt2edge.sample_text import SAMPLE_TEXT
 
 DEFAULT_MAX_TOKENS = 256
 GREEDY_TOKENS = 64
-GREEDY_PROMPT_TOKENS = 16
+GREEDY_PROMPT_TOKENS = 16  # the first (shortest) greedy prompt
+GREEDY_STARTS = 4  # greedy decoding starts from this many points of the stream
+# dims two folders must share to be compared position by position, token by token
+COMPARABLE_DIMS = ("vocab_size", "n_positions")
+CHUNK_ROWS = 32
 
 
 def stream_tokens(tokenizer: TextTokenizer, text: str | None, n_positions: int, max_tokens: int) -> list[int]:
-    ids = tokenizer.encode(text if text is not None else SAMPLE_TEXT)
-    return ids[: min(max_tokens, n_positions)]
+    """The scored stream: the text's tokens, cut to the context; at least 2 (each scores the next)."""
+    ids = tokenizer.encode(text if text is not None else SAMPLE_TEXT)[: min(max_tokens, n_positions)]
+    if len(ids) < 2:
+        raise GenerationError(
+            f"The --text has {len(ids)} token(s); the quality report needs at least 2 (it scores each next "
+            "token). Pass a longer text, or leave --text out for the built-in one."
+        )
+    return ids
+
+
+def check_report_text(model_dir: Path, text: str | None, max_tokens: int = DEFAULT_MAX_TOKENS) -> list[int]:
+    """Tokenize the report's text with the folder's tokenizer now, so a bad --text fails before any work."""
+    folder = ModelFolder.open(model_dir, verify=False)
+    return stream_tokens(TextTokenizer(folder.tokenizer_path), text, folder.dims["n_positions"], max_tokens)
+
+
+def check_comparable(a: Path, b: Path) -> None:
+    """Refuse two folders whose logprobs cannot be compared (another vocabulary or context), from the
+    manifests alone: before any session is built."""
+    da, db = read_manifest(a)["dims"], read_manifest(b)["dims"]
+    for key in COMPARABLE_DIMS:
+        if da.get(key) != db.get(key):
+            raise ModelFolderError(
+                f"{a} and {b} are not variants of one model: {key} {da.get(key)} vs {db.get(key)}; "
+                "compare an export with its own quantized variants."
+            )
+
+
+def greedy_plan(n_tokens: int, n_positions: int) -> tuple[list[int], int]:
+    """Prompt lengths to start greedy decoding from (spread over the stream) and the tokens each decodes."""
+    first = min(GREEDY_PROMPT_TOKENS, n_tokens)
+    n_new = min(GREEDY_TOKENS, n_positions - first)
+    last = max(first, min(n_tokens, n_positions - n_new))
+    return sorted({round(float(x)) for x in np.linspace(first, last, GREEDY_STARTS)}), n_new
 
 
 def stream_logprobs(lm: OrtLM, tokens: Sequence[int]) -> np.ndarray:
@@ -49,57 +88,118 @@ def greedy_continuation(lm: OrtLM, tokenizer: TextTokenizer, prompt: list[int], 
     return generate(lm, tokenizer, [prompt], params, pad_id=0).generated[0]
 
 
-def compare(
-    ref_lp: np.ndarray, var_lp: np.ndarray, tokens: Sequence[int], ref_greedy: list[int], var_greedy: list[int]
-) -> dict[str, Any]:
-    """The metrics from two (T, V) log-prob matrices over the same stream and two greedy continuations."""
-    ref_lp = ref_lp.astype(np.float64)
-    var_lp = var_lp.astype(np.float64)
-    kl = (np.exp(ref_lp) * (ref_lp - var_lp)).sum(-1)  # (T,)
-    nxt = np.asarray(tokens[1:])
-    rows = np.arange(len(nxt))
-    match = next(
-        (i for i, (a, b) in enumerate(zip(ref_greedy, var_greedy)) if a != b), min(len(ref_greedy), len(var_greedy))
-    )
+def renormalised(lp: np.ndarray) -> np.ndarray:
+    """Log-probs in float64 that sum to 1 to float64 precision (a float32 log_softmax is off by ~1e-7)."""
+    lp = lp.astype(np.float64)
+    top = lp.max(-1, keepdims=True)
+    return lp - (top + np.log(np.exp(lp - top).sum(-1, keepdims=True)))
+
+
+def _kl(lp: np.ndarray, lq: np.ndarray) -> np.ndarray:
+    """KL(p || q) per row of two renormalised float64 log-prob matrices (see kl_divergence)."""
+    p, q = np.exp(lp), np.exp(lq)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = lq - lp
+        terms = np.where(d > 1, q - p - np.where(p > 0, p * d, 0.0), p * (np.expm1(d) - d))
+    terms = np.where(p > 0, terms, q)  # p underflowed to 0: the term's limit is q
+    return np.maximum(terms, 0.0).sum(-1)
+
+
+def kl_divergence(ref_lp: np.ndarray, var_lp: np.ndarray) -> np.ndarray:
+    """KL(ref || var) per row, in float64; >= 0 by construction, 0 for equal distributions.
+
+    With both renormalised, KL = sum p (e^d - 1 - d), d = log q - log p (the added terms sum to 1 - 1 = 0).
+    Each term is >= 0 (e^d >= 1 + d), so rounding cannot make the sum negative; the clamp removes only the
+    last-bit rounding of single terms. Small d uses expm1 (no cancellation), large d the equal q - p - p d."""
+    return _kl(renormalised(ref_lp), renormalised(var_lp))
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens of two continuations agree."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def stream_metrics(ref_lp: np.ndarray, var_lp: np.ndarray, tokens: Sequence[int]) -> dict[str, Any]:
+    """KL, top-1, max |delta log-prob| and perplexities over the stream, in float64, CHUNK_ROWS rows at a time
+    (a float64 pass over a whole 256 x 50,257 stream would take ~100 MB per array)."""
+    T = len(tokens)
+    targets = np.asarray(tokens[1:])
+    kl, top1 = np.empty(T), np.empty(T, dtype=bool)
+    nll_ref, nll_var = np.empty(T - 1), np.empty(T - 1)
+    max_diff = 0.0
+    for lo in range(0, T, CHUNK_ROWS):
+        r, v = renormalised(ref_lp[lo : lo + CHUNK_ROWS]), renormalised(var_lp[lo : lo + CHUNK_ROWS])
+        hi = lo + len(r)
+        kl[lo:hi] = _kl(r, v)
+        top1[lo:hi] = r.argmax(-1) == v.argmax(-1)
+        max_diff = max(max_diff, float(np.abs(r - v).max()))
+        scored = np.arange(lo, min(hi, T - 1))  # positions whose next token is in the stream
+        nll_ref[scored] = -r[scored - lo, targets[scored]]
+        nll_var[scored] = -v[scored - lo, targets[scored]]
     return {
-        "tokens": len(tokens),
+        "tokens": T,
         "mean_kl": float(kl.mean()),
         "max_kl": float(kl.max()),
-        "top1_agreement": float((ref_lp.argmax(-1) == var_lp.argmax(-1)).mean()),
-        "max_abs_logprob_diff": float(np.abs(ref_lp - var_lp).max()),
-        "perplexity_reference": float(np.exp(-ref_lp[rows, nxt].mean())),
-        "perplexity_variant": float(np.exp(-var_lp[rows, nxt].mean())),
-        "greedy_match": int(match),
-        "greedy_tokens": len(ref_greedy),
+        "top1_agreement": float(top1.mean()),
+        "max_abs_logprob_diff": max_diff,
+        "perplexity_reference": float(np.exp(nll_ref.mean())),
+        "perplexity_variant": float(np.exp(nll_var.mean())),
     }
 
 
-def folder_side(path: Path, tokens: list[int] | None, text: str | None, max_tokens: int, device: str = "cpu"):
-    """Log-probs over the stream and the greedy continuation of one export folder."""
+def compare(
+    ref_lp: np.ndarray,
+    var_lp: np.ndarray,
+    tokens: Sequence[int],
+    ref_greedy: Sequence[list[int]],
+    var_greedy: Sequence[list[int]],
+    starts: Sequence[int],
+) -> dict[str, Any]:
+    """The metrics from two (T, V) log-prob matrices over the same stream, and the greedy continuations of
+    both sides from each prompt length in `starts` (ref_greedy[i] and var_greedy[i] start at starts[i])."""
+    matches = [first_divergence(r, v) for r, v in zip(ref_greedy, var_greedy)]
+    worst = int(np.argmin(matches))
+    return {
+        **stream_metrics(ref_lp, var_lp, tokens),
+        "greedy_match": matches[worst],  # the worst start's
+        "greedy_tokens": len(ref_greedy[worst]),
+        "greedy_match_start": int(starts[worst]),  # tokens of the text before the worst start's first token
+        "greedy_matches": [{"start": int(s), "match": m} for s, m in zip(starts, matches)],
+    }
+
+
+def folder_side(
+    path: Path, tokens: list[int] | None, text: str | None, max_tokens: int, device: str = "cpu"
+) -> tuple[list[int], np.ndarray, list[list[int]], list[int], ModelFolder]:
+    """Log-probs over the stream and the greedy continuations (one per start) of one export folder;
+    returns (tokens, logprobs, greedy, starts, folder)."""
     folder = ModelFolder.open(path, verify=False)
     tokenizer = TextTokenizer(folder.tokenizer_path)
+    if tokens is None:  # before the session: a bad --text fails without any work
+        tokens = stream_tokens(tokenizer, text, folder.dims["n_positions"], max_tokens)
     lm = OrtLM(folder, device=device)
-    if tokens is None:
-        tokens = stream_tokens(tokenizer, text, lm.n_positions, max_tokens)
-    prompt = tokens[:GREEDY_PROMPT_TOKENS]
-    n_new = min(GREEDY_TOKENS, lm.n_positions - len(prompt))
-    return tokens, stream_logprobs(lm, tokens), greedy_continuation(lm, tokenizer, prompt, n_new), folder
+    starts, n_new = greedy_plan(len(tokens), lm.n_positions)
+    greedy = [greedy_continuation(lm, tokenizer, tokens[:s], n_new) for s in starts]
+    return tokens, stream_logprobs(lm, tokens), greedy, starts, folder
 
 
 def compare_folders(
-    a: Path, b: Path, text: str | None = None, max_tokens: int = DEFAULT_MAX_TOKENS, device: str = "cpu"
+    a: Path,
+    b: Path,
+    text: str | None = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    device: str = "cpu",
+    variant_name: str | None = None,
 ) -> dict[str, Any]:
-    """Report for export folder b against reference folder a (same tokenizer assumed: a's tokens feed both)."""
-    tokens, lp_a, greedy_a, fa = folder_side(Path(a), None, text, max_tokens, device)
-    _, lp_b, greedy_b, fb = folder_side(Path(b), tokens, text, max_tokens, device)
-    if lp_a.shape != lp_b.shape:
-        from gpt2edge.errors import ModelFolderError
-
-        raise ModelFolderError(f"{a} and {b} have different vocabularies ({lp_a.shape[1]} vs {lp_b.shape[1]}).")
-    report = compare(lp_a, lp_b, tokens, greedy_a, greedy_b)
+    """Report for export folder b against reference folder a (a's tokens feed both). `variant_name`: what
+    the report calls b (quantize measures a temporary folder that is renamed into place afterwards)."""
+    check_comparable(Path(a), Path(b))
+    tokens, lp_a, greedy_a, starts, fa = folder_side(Path(a), None, text, max_tokens, device)
+    _, lp_b, greedy_b, _, fb = folder_side(Path(b), tokens, text, max_tokens, device)
+    report = compare(lp_a, lp_b, tokens, greedy_a, greedy_b, starts)
     report.update(
         reference=str(a),
-        variant=str(b),
+        variant=variant_name or str(b),
         size_reference=fa.model_bytes(),
         size_variant=fb.model_bytes(),
         precision_reference=fa.precision,
@@ -130,15 +230,18 @@ def violations(report: dict[str, Any], **thresholds: float | None) -> list[str]:
     return out
 
 
-def print_report(report: dict[str, Any], title: str = "quality", file=sys.stderr) -> None:
+def print_report(report: dict[str, Any], title: str = "quality", file=sys.stdout) -> None:
     """A small table of the report."""
+    greedy = f"{report['greedy_match']} / {report['greedy_tokens']} tokens"
+    if len(report.get("greedy_matches", [])) > 1:
+        greedy += f" (worst of {len(report['greedy_matches'])} starts: after {report['greedy_match_start']} tokens)"
     rows = [
         ("tokens in stream", f"{report['tokens']}"),
         ("mean KL(ref || variant)", f"{report['mean_kl']:.3e}"),
         ("top-1 agreement", f"{report['top1_agreement'] * 100:.1f} %"),
         ("max |Δ logprob|", f"{report['max_abs_logprob_diff']:.3e}"),
         ("perplexity ref / variant", f"{report['perplexity_reference']:.3f} / {report['perplexity_variant']:.3f}"),
-        ("greedy match", f"{report['greedy_match']} / {report['greedy_tokens']} tokens"),
+        ("greedy match", greedy),
     ]
     if "size_variant" in report and report.get("size_reference"):
         ratio = report["size_variant"] / report["size_reference"]

@@ -231,7 +231,7 @@ def assert_refused(result, phrase, out):
 
 def test_bad_requests_write_nothing(tiny_export, variants, tmp_path):
     out = tmp_path / "out"
-    assert_refused(quantize_cli(tiny_export, "-o", out, "--mode", "int3"), "Unknown mode 'int3'", out)
+    assert_refused(quantize_cli(tiny_export, "-o", out, "--mode", "int3"), "'int3' is not one of", out)
     (tmp_path / "plain").mkdir()
     assert_refused(quantize_cli(tmp_path / "plain", "-o", out, "--mode", "int8"), "not a gpt2edge export", out)
     r = quantize_cli(tiny_export, "-o", tiny_export, "--mode", "int8", "--force")
@@ -239,11 +239,13 @@ def test_bad_requests_write_nothing(tiny_export, variants, tmp_path):
     assert_refused(quantize_cli(variants["int8"], "-o", out, "--mode", "int8"), "already int8", out)
     assert_refused(quantize_cli(variants["int8"], "-o", out, "--mode", "fp16"), "would not shrink it", out)
     assert_refused(quantize_cli(variants["fp16"], "-o", out, "--mode", "fp16"), "already fp16", out)
-    assert_refused(quantize_cli(tiny_export, "-o", out, "--mode", "int4", "--block-size", "24"), "power of two", out)
+    assert_refused(quantize_cli(tiny_export, "-o", out, "--mode", "int4", "--block-size", "24"), "'24' is not one", out)
     assert_refused(quantize_cli(tiny_export, "-o", out, "--mode", "fp16", "--head-bits", "4"), "int8/int4", out)
     assert_refused(quantize_cli(tiny_export, "-o", out, "--mode", "fp16", "--symmetric"), "int8/int4", out)
     with pytest.raises(QuantizeError, match="--head-bits 4 is for int4"):
         make_recipe("int8", head_bits=4)
+    with pytest.raises(QuantizeError, match="Unknown mode 'int3'"):
+        make_recipe("int3")
 
 
 def test_parity_cli_thresholds(tiny_export, variants, tiny_checkpoint):
@@ -278,3 +280,220 @@ def test_weight_shared_by_two_matmuls_is_packed_once():
     x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
     ref = x @ w @ w
     assert np.abs(sess.run(None, {"x": x})[0] - ref).max() < 0.02 * np.abs(ref).max()  # 8-bit, two matmuls
+
+
+@pytest.mark.parametrize("block", ["0", "8", "512", "1024"])
+def test_block_sizes_matmulnbits_cannot_run_are_refused(tiny_export, tmp_path, block):
+    """ONNX Runtime packs and runs block sizes 16..256 (powers of two); 512 and up abort in its C++ code,
+    and 0 used to fall back to the default silently."""
+    out = tmp_path / "out"
+    r = quantize_cli(tiny_export, "-o", out, "--mode", "int4", "--block-size", block)
+    assert r.exit_code == 2 and f"Invalid value for '--block-size': '{block}' is not one of" in r.output, r.output
+    assert not out.exists()
+    with pytest.raises(QuantizeError, match="power of two from 16 to 256"):
+        make_recipe("int4", block_size=int(block))
+
+
+def test_every_supported_block_size_packs_and_runs():
+    from gpt2edge.quantize.primitives import BLOCK_SIZES
+
+    w = np.random.default_rng(0).standard_normal((512, 8)).astype(np.float32)
+    for block in BLOCK_SIZES:
+        assert make_recipe("int8", block_size=block).block_size == block
+        q = quantize_blockwise(w, 4, block)
+        assert np.abs(dequantize_blockwise(q) - w).max() < np.abs(q.scales).max()
+
+
+def test_choices_are_click_choices_shown_in_help():
+    runner = CliRunner()
+    help_text = " ".join(runner.invoke(main, ["quantize", "--help"]).output.split())
+    for shown in ("[fp16|int8|int4]", "[16|32|64|128|256]", "[0|1|2|3|4]", "[4|8]"):
+        assert shown in help_text
+    assert "18<=x<=23" in runner.invoke(main, ["export", "--help"]).output
+    for args, option in [
+        (["--mode", "int8", "--head-bits", "5"], "--head-bits"),
+        (["--mode", "int8", "--accuracy-level", "7"], "--accuracy-level"),
+        (["--mode", "int2"], "--mode"),
+    ]:
+        r = runner.invoke(main, ["quantize", "no-such-folder", "-o", "x", *args])
+        assert r.exit_code == 2 and f"Invalid value for '{option}'" in r.output, r.output  # before any work
+    r = runner.invoke(main, ["export", "-m", "no-such-folder", "x", "--opset", "17"])
+    assert r.exit_code == 2 and "Invalid value for '--opset'" in r.output
+
+
+def _one_token_text(folder) -> str:
+    from gpt2edge.runtime.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(folder / "tokenizer.json")
+    text = tok.decode([tok.encode("The river")[0]])
+    assert len(tok.encode(text)) == 1
+    return text
+
+
+@pytest.mark.parametrize("one_token", [False, True], ids=["empty", "one-token"])
+def test_report_text_needs_two_tokens(tiny_export, variants, tmp_path, one_token):
+    text = tmp_path / "text.txt"
+    text.write_text(_one_token_text(tiny_export) if one_token else "")
+    n = int(one_token)
+    out = tmp_path / "out"
+    r = quantize_cli(tiny_export, "-o", out, "--mode", "int8", "--text", text)
+    assert r.exit_code == 1 and r.output.strip() == f"error: The --text has {n} token(s); the quality report " + (
+        "needs at least 2 (it scores each next token). Pass a longer text, or leave --text out for the built-in one."
+    ), r.output
+    assert not out.exists() and [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    r = CliRunner().invoke(main, ["parity", str(tiny_export), str(variants["int8"]), "--text", str(text)])
+    assert r.exit_code == 1 and r.output.startswith(f"error: The --text has {n} token(s)"), r.output
+
+
+@pytest.mark.parametrize("key, value", [("vocab_size", 512), ("n_positions", 64)])
+def test_parity_refuses_folders_of_another_model_before_any_work(tiny_export, tmp_path, monkeypatch, key, value):
+    import json
+
+    from gpt2edge import quality
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_export, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    before = manifest["dims"][key]
+    manifest["dims"][key] = value
+    (other / "manifest.json").write_text(json.dumps(manifest))
+
+    def no_session(*a, **k):
+        raise AssertionError("a session was built before the manifests were compared")
+
+    monkeypatch.setattr(quality, "OrtLM", no_session)
+    for a, b in [(tiny_export, other), (other, tiny_export)]:
+        r = CliRunner().invoke(main, ["parity", str(a), str(b)])
+        assert r.exit_code == 1, r.output
+        assert r.output.startswith(f"error: {a} and {b} are not variants of one model: {key} "), r.output
+    assert f"{key} {before} vs {value}" in CliRunner().invoke(main, ["parity", str(tiny_export), str(other)]).output
+
+
+def test_quality_report_names_the_final_folder(variants):
+    for folder in variants.values():
+        q = read_manifest(folder)["quality"]
+        assert q["variant"] == str(folder), q["variant"]  # not the temporary .out.tmp-… it was measured in
+
+
+def test_kl_is_never_negative_and_zero_for_equal_distributions():
+    """A float32 log_softmax sums to 1 only to ~1e-7: the old float32-normalised formula reported KL
+    -1e-6 for identical distributions. Renormalised in float64, each KL term is >= 0."""
+    from gpt2edge.quality import compare, kl_divergence
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((64, 400)).astype(np.float32) * 4
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))  # float32, as the graph returns them
+    tokens = list(rng.integers(0, 400, 64))
+    for var in (lp + np.float32(1e-6), lp - np.float32(3e-7), lp + rng.normal(0, 1e-7, lp.shape).astype(np.float32)):
+        report = compare(lp, var, tokens, [[1, 2]], [[1, 2]], [16])
+        assert 0.0 <= report["mean_kl"] < 1e-11 and report["max_kl"] >= 0.0, report["mean_kl"]
+    assert np.all(kl_divergence(lp, lp) == 0.0)
+    # and where the distributions differ, it is the textbook value (float64, from normalised probabilities)
+    other = lp + rng.normal(0, 0.5, lp.shape).astype(np.float32)
+    p = np.exp(lp.astype(np.float64))
+    p /= p.sum(-1, keepdims=True)
+    q = np.exp(other.astype(np.float64))
+    q /= q.sum(-1, keepdims=True)
+    np.testing.assert_allclose(kl_divergence(lp, other), (p * np.log(p / q)).sum(-1), rtol=1e-9)
+
+
+def test_greedy_match_is_checked_from_several_points_of_the_text(tiny_export, tmp_path):
+    """A variant that differs only late in the context (its position rows from 100 on are noise): greedy
+    decoding from the first 16 tokens never gets there (64/64 reported), the later starts do."""
+    from gpt2edge.quality import GREEDY_STARTS
+
+    late = tmp_path / "late"
+    shutil.copytree(tiny_export, late)
+    model = onnx.load(str(late / "model.onnx"))
+    wpe = next(i for i in model.graph.initializer if i.name == "wpe.weight")
+    rows = numpy_helper.to_array(wpe).copy()
+    rows[100:] = np.random.default_rng(0).standard_normal(rows[100:].shape) * 3
+    wpe.CopyFrom(numpy_helper.from_array(rows, wpe.name))
+    onnx.save(model, str(late / "model.onnx"))
+
+    report = compare_folders(tiny_export, late)
+    starts = [g["start"] for g in report["greedy_matches"]]
+    assert len(starts) == GREEDY_STARTS and starts[0] == 16 and starts[-1] + 64 <= 128
+    first = report["greedy_matches"][0]
+    assert first["match"] == 64  # what the report used to say
+    assert report["greedy_match"] < 64 and report["greedy_match_start"] > 16
+    assert report["greedy_match"] == min(g["match"] for g in report["greedy_matches"])
+    # the figure is the real first divergence of the two folders' greedy tokens from that start
+    from gpt2edge.runtime.generate import generate
+    from gpt2edge.runtime.sampling import SamplingParams
+    from gpt2edge.sample_text import SAMPLE_TEXT
+
+    params = SamplingParams(max_new_tokens=64, do_sample=False)
+    a, b = Generator(tiny_export), Generator(late, verify=False)
+    prompt = a.tokenizer.encode(SAMPLE_TEXT)[: report["greedy_match_start"]]
+    ga, gb = (generate(g.lm, g.tokenizer, [prompt], params, pad_id=0).generated[0] for g in (a, b))
+    assert next(i for i, (x, y) in enumerate(zip(ga, gb)) if x != y) == report["greedy_match"]
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("head_bits", [8, 4])
+def test_embedding_rows_equal_the_packed_table_exactly(head_bits, symmetric):
+    """The token and position lookups read the packed tables with one GatherBlockQuantized (4-bit tables
+    with zero points: dequantized by hand, see weight_only.py); the rows equal the NumPy dequantization."""
+    from gpt2edge.quantize.weight_only import embedding_block_size, quantize_weights
+
+    V, P, C = 50, 16, 64
+    rng = np.random.default_rng(head_bits)
+    wte, wpe = (rng.standard_normal((n, C)).astype(np.float32) for n in (V, P))
+    nodes = [
+        helper.make_node("Gather", ["wte", "ids"], ["tok"], axis=0),
+        helper.make_node("Gather", ["wpe", "pos"], ["pos_rows"], axis=0),
+        helper.make_node("Gemm", ["x", "wte"], ["logits"], transB=1),
+    ]
+    ints = [helper.make_tensor_value_info(n, onnx.TensorProto.INT64, [None, None]) for n in ("ids", "pos")]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [*ints, helper.make_tensor_value_info("x", 1, [None, C])],
+        [helper.make_tensor_value_info(n, 1, None) for n in ("tok", "pos_rows", "logits")],
+        [numpy_helper.from_array(wte, "wte"), numpy_helper.from_array(wpe, "wpe")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    head_block = 128 if head_bits == 8 else 32
+    q = quantize_weights(model, 4, 32, head_bits, head_block, accuracy_level=0, symmetric=symmetric)
+    ops = [n.op_type for n in q.graph.node]
+    by_hand = head_bits == 4 and not symmetric  # ONNX Runtime < 1.27 misreads these zero points
+    assert ops.count("GatherBlockQuantized") == (1 if by_hand else 2), ops
+    assert ("BitShift" in ops) == by_hand
+
+    sess = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = rng.integers(0, V, (2, 5))
+    pos = np.arange(10).reshape(2, 5)
+    x = rng.standard_normal((2, C)).astype(np.float32)
+    tok, pos_rows, logits = sess.run(None, {"ids": ids, "pos": pos, "x": x})
+    table = dequantize_blockwise(quantize_blockwise(wte.T, head_bits, embedding_block_size(C, head_block), symmetric))
+    positions = dequantize_blockwise(quantize_blockwise(wpe.T, 8, embedding_block_size(C, 128), symmetric))
+    assert np.abs(tok - table.T[ids]).max() == 0.0
+    assert np.abs(pos_rows - positions.T[pos]).max() == 0.0
+    assert np.abs(logits - x @ table).max() < 1e-4  # the head's MatMulNBits reads the same packed table
+
+
+def test_quantized_export_looks_up_embeddings_with_gather_block_quantized(variants):
+    for mode in ("int8", "int4"):
+        ops = [n.op_type for n in onnx.load(str(variants[mode] / "model.onnx")).graph.node]
+        assert ops.count("GatherBlockQuantized") == 2 and "BitShift" not in ops, (mode, ops)
+
+
+def test_reports_on_stdout_and_json_stdout_is_pure(tiny_export, variants, tmp_path):
+    """quantize and parity print their report the same way: on stdout, or on stderr under --json (whose
+    stdout is one JSON document); no progress bar off a terminal."""
+    import json
+
+    r = quantize_cli(tiny_export, "-o", tmp_path / "a", "--mode", "int8")
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    assert r.stdout.startswith("int8 vs fp32:\n") and "mean KL(ref || variant)" in r.stdout
+    r = quantize_cli(tiny_export, "-o", tmp_path / "b", "--mode", "int8", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["quality"]["variant"] == str(tmp_path / "b")
+    assert r.stderr.startswith("int8 vs fp32:\n"), r.stderr
+
+    pair = [str(tiny_export), str(variants["int8"])]
+    r = CliRunner().invoke(main, ["parity", *pair])
+    assert r.exit_code == 0 and r.stderr == "" and "mean KL(ref || variant)" in r.stdout, r.output
+    r = CliRunner().invoke(main, ["parity", *pair, "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["violations"] == []
+    assert "mean KL(ref || variant)" in r.stderr

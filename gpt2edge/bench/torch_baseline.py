@@ -6,15 +6,19 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 
-from gpt2edge.export.checkpoint import load_checkpoint
+from gpt2edge.extras import require_extra
 
 
 def torch_bench(
     source: str, prompts: list[list[int]], new_tokens: int, repeat: int, threads: int | None
 ) -> dict[str, Any]:
     """Prefill (one forward over the prompts) and cached greedy decode steps of the transformers model."""
+    require_extra("export", "bench --vs-torch")
+    import torch
+
+    from gpt2edge.export.checkpoint import load_checkpoint
+
     if threads:
         torch.set_num_threads(threads)
     model = load_checkpoint(source).model

@@ -1,14 +1,23 @@
-"""Find and load a Hugging Face GPT-2 checkpoint: a local folder (checked first) or a hub id."""
+"""Find and load a Hugging Face GPT-2 checkpoint: a local folder (checked first) or a hub id.
+
+Nothing here imports torch at module level: the source is resolved (and refused) before the heavy imports.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpt2edge.errors import CheckpointError
+from gpt2edge.export.hub import cache_only
+from gpt2edge.export.loading_check import check_loading_info
+from gpt2edge.manifest import FORMAT, MANIFEST_NAME
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -18,6 +27,7 @@ WEIGHT_FILES = (
 )
 # "gpt2", "openai-community/gpt2", "microsoft/DialoGPT-small": at most one slash, no path-like prefix
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
 @dataclass
@@ -30,8 +40,18 @@ class Checkpoint:
     source: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where a checkpoint is read from; `offline`: read the Hugging Face cache only, never the network."""
+
+    kind: str  # "local" or "hub"
+    location: str  # resolved folder, or the hub id
+    offline: bool = False
+
+
 def _check_local_folder(path: Path) -> None:
     """Raise before loading anything if the folder cannot be a GPT-2 checkpoint."""
+    _refuse_export_folder(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{path} has no config.json; point -m at a Hugging Face checkpoint folder.")
@@ -47,6 +67,21 @@ def _check_local_folder(path: Path) -> None:
         )
 
 
+def _refuse_export_folder(path: Path) -> None:
+    """An export folder has a config.json too; say what it is instead of 'has no weights'."""
+    try:
+        manifest = json.loads((path / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(manifest, dict) and manifest.get("format") == FORMAT:
+        origin = (manifest.get("source") or {}).get("model")
+        came_from = f" (exported from {origin})" if origin else ""
+        raise CheckpointError(
+            f"{path} is already a gpt2edge export{came_from}; -m takes the Hugging Face checkpoint it came from. "
+            "To make a smaller variant of it, use `gpt2edge quantize`."
+        )
+
+
 def _check_model_type(model_type: str | None, where: str) -> None:
     if model_type != "gpt2":
         raise CheckpointError(
@@ -55,35 +90,59 @@ def _check_model_type(model_type: str | None, where: str) -> None:
         )
 
 
-def resolve_source(source: str) -> tuple[str, str]:
-    """Decide whether `source` is a local folder or a hub id; returns (kind, location)."""
+def resolve_source(source: str, revision: str | None = None) -> Source:
+    """Decide whether `source` is a local folder or a hub id, and whether the hub can be used."""
     path = Path(source).expanduser()
     if path.exists():
         if not path.is_dir():
             raise CheckpointError(f"{source} is a file; -m takes a checkpoint folder or a hub id.")
         _check_local_folder(path)
-        return "local", str(path.resolve())
+        return Source("local", str(path.resolve()))
     if source.startswith((".", "/", "~")) or not _HUB_ID.match(source):
         raise CheckpointError(
             f"{source} does not exist, and it is not a Hugging Face Hub id such as 'gpt2' or 'org/name' "
             "(for a hub model, note that this machine may be offline)."
         )
-    return "hub", source
+    return Source("hub", source, offline=cache_only(source, revision, ("config.json",)))
 
 
-def load_checkpoint(source: str, revision: str | None = None, tokenizer_source: str | None = None) -> Checkpoint:
-    """Load the model in fp32 eval mode, its tokenizer and generation defaults.
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' load report becomes a CheckpointError below; its progress bar shows on a TTY only."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def load_checkpoint(
+    source: str, revision: str | None = None, tokenizer_source: str | None = None, resolved: Source | None = None
+) -> Checkpoint:
+    """Load the model in fp32 eval mode, its tokenizer and generation defaults (`resolved`: resolve_source's
+    answer for `source`, when the caller already has it).
 
     Pickle weights (pytorch_model.bin) go through torch's weights-only loader: no code runs from the file.
     """
+    from gpt2edge.extras import require_extra
+
+    require_extra("export", "loading a PyTorch checkpoint")
     import transformers
     from transformers import AutoConfig, GenerationConfig, GPT2LMHeadModel
 
-    kind, location = resolve_source(source)
+    src = resolved or resolve_source(source, revision)
+    hub = dict(revision=revision, local_files_only=src.offline)
     try:
-        config = AutoConfig.from_pretrained(location, revision=revision)
+        config = AutoConfig.from_pretrained(src.location, **hub)
     except OSError as e:
-        if kind == "hub":
+        if src.kind == "hub":
             raise CheckpointError(
                 f"'{source}' is not a local folder and could not be fetched from the Hugging Face Hub "
                 f"(is this machine offline, or the id misspelled?): {str(e).splitlines()[0]}"
@@ -91,44 +150,63 @@ def load_checkpoint(source: str, revision: str | None = None, tokenizer_source: 
         raise CheckpointError(f"Cannot read the config of {source}: {e}") from e
     _check_model_type(config.model_type, source)
     try:
-        model = GPT2LMHeadModel.from_pretrained(
-            location, revision=revision, weights_only=True, attn_implementation="eager", dtype="float32"
-        )
+        with _quiet_transformers():
+            model, info = GPT2LMHeadModel.from_pretrained(
+                src.location,
+                **hub,
+                weights_only=True,
+                attn_implementation="eager",
+                dtype="float32",
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,  # reported by check_loading_info, with both shapes
+            )
     except Exception as e:  # safetensors, pickle (UnpicklingError) and shape errors all land here
         raise CheckpointError(f"Cannot load the weights of {source}: {str(e).splitlines()[0]}") from e
+    check_loading_info(info, source, config.n_layer, list(model.state_dict()))
     model.eval()
 
-    tokenizer = load_tokenizer(tokenizer_source or location, revision=None if tokenizer_source else revision)
+    tokenizer = load_tokenizer(*_tokenizer_location(src, revision, tokenizer_source))
     if len(tokenizer) > config.vocab_size:
         raise CheckpointError(
             f"The tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
             "pass the checkpoint's own tokenizer with --tokenizer."
         )
     try:
-        generation_config = GenerationConfig.from_pretrained(location, revision=revision)
+        generation_config = GenerationConfig.from_pretrained(src.location, **hub)
     except OSError:
         generation_config = GenerationConfig.from_model_config(config)
 
-    info: dict[str, Any] = {"model": source, "kind": kind, "transformers": transformers.__version__}
-    if kind == "local":
-        info["path"] = location
+    info_out: dict[str, Any] = {"model": source, "kind": src.kind, "transformers": transformers.__version__}
+    if src.kind == "local":
+        info_out["path"] = src.location
     else:
-        info["revision"] = revision or "main"
-        info["commit_hash"] = getattr(config, "_commit_hash", None)
+        info_out["revision"] = revision or "main"
+        info_out["commit_hash"] = getattr(config, "_commit_hash", None)
     if tokenizer_source:
-        info["tokenizer"] = tokenizer_source
-    return Checkpoint(model=model, tokenizer=tokenizer, generation_config=generation_config, source=info)
+        info_out["tokenizer"] = tokenizer_source
+    return Checkpoint(model=model, tokenizer=tokenizer, generation_config=generation_config, source=info_out)
 
 
-def load_tokenizer(location: str, revision: str | None = None):
+def _tokenizer_location(src: Source, revision: str | None, tokenizer_source: str | None) -> tuple:
+    """(location, revision, local_files_only) of the tokenizer: the checkpoint's own, or --tokenizer's."""
+    if tokenizer_source is None:
+        return src.location, revision, src.offline
+    if Path(tokenizer_source).expanduser().exists() or not _HUB_ID.match(tokenizer_source):
+        return tokenizer_source, None, False
+    return tokenizer_source, None, cache_only(tokenizer_source, None, _TOKENIZER_FILES)
+
+
+def load_tokenizer(location: str, revision: str | None = None, local_files_only: bool = False):
     """A fast (Rust) tokenizer from a checkpoint, a tokenizer folder, or bare vocab.json + merges.txt."""
     from transformers import AutoTokenizer, GPT2TokenizerFast
 
     try:
-        tok = AutoTokenizer.from_pretrained(location, revision=revision, use_fast=True)
+        tok = AutoTokenizer.from_pretrained(
+            location, revision=revision, use_fast=True, local_files_only=local_files_only
+        )
     except (OSError, ValueError, TypeError):
         try:
-            tok = GPT2TokenizerFast.from_pretrained(location)
+            tok = GPT2TokenizerFast.from_pretrained(location, local_files_only=local_files_only)
         except (OSError, ValueError, TypeError) as e:
             raise CheckpointError(
                 f"No tokenizer found in {location}; pass --tokenizer DIR (a folder with tokenizer.json, "

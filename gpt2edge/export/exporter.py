@@ -1,4 +1,8 @@
-"""export_model: HF checkpoint -> a self-contained, validated, atomically written export folder."""
+"""export_model: HF checkpoint -> a self-contained, validated, atomically written export folder.
+
+torch and onnx are imported only once the arguments and the source have been checked, so a bad request
+(or an offline hub id) fails in a moment, and a runtime-only install is told which extra it needs.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +10,21 @@ import sys
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 import gpt2edge
 from gpt2edge.errors import ExportError
-from gpt2edge.export.checkpoint import load_checkpoint
-from gpt2edge.export.model import from_hf_model
-from gpt2edge.export.onnx_graph import DEFAULT_OPSET, check_opset, export_graph, io_spec
-from gpt2edge.export.validate import DEFAULT_ATOL, Check, checks_to_json, print_checks, raise_on_failure, validate
+from gpt2edge.export.checkpoint import load_checkpoint, resolve_source
+from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, check_atol, check_opset
+from gpt2edge.extras import require_extra
 from gpt2edge.folder import atomic_output_dir, check_output_dir
 from gpt2edge.manifest import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, write_manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
+
+if TYPE_CHECKING:
+    from gpt2edge.export.validate import Check
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -64,23 +70,32 @@ def export_model(
     tokenizer: str | None = None,
     log=sys.stderr,
 ) -> ExportResult:
-    """Export `source` (local folder or hub id) to `out`. Every check on the arguments runs before any work."""
+    """Export `source` (local folder or hub id) to `out`. Every check on the arguments runs before any work.
+
+    `log` receives the validation table (None: not printed)."""
+    require_extra("export", "export")
     out = Path(out)
     if head not in HEAD_MODES:
         raise ExportError(f"Unknown head mode '{head}'; choose one of {', '.join(HEAD_MODES)}.")
     check_opset(opset)
     if kv_cache not in KV_CACHE_MODES:
         raise ExportError(f"Unknown KV cache mode '{kv_cache}'; choose one of {', '.join(KV_CACHE_MODES)}.")
-    if not atol > 0:
-        raise ExportError(f"--atol must be positive, got {atol}.")
+    check_atol(atol)
     sources = [source, tokenizer]  # local ones must not overlap OUT (a hub id matches no path)
     check_output_dir(out, force, sources)
+    resolved = resolve_source(source, revision)  # a missing folder, an export folder, an offline hub id: refused now
+
+    # the heavy imports (torch, transformers, onnx), once the request is known to be good
+    from gpt2edge.export.model import from_hf_model
+    from gpt2edge.export.onnx_graph import export_graph, io_spec
+    from gpt2edge.export.validate import checks_to_json, print_checks, raise_on_failure, validate
 
     checks: list[Check] = []
-    # the bar closes (and clears itself) on any error, so a failure prints one clean line
-    with tqdm(total=5 if run_validation else 4, desc="export", unit="step", file=sys.stderr, leave=False) as steps:
+    # a progress bar on a terminal only (disable=None); it closes and clears itself on any error
+    bar = dict(desc="export", unit="step", file=sys.stderr, leave=False, disable=None)
+    with tqdm(total=5 if run_validation else 4, **bar) as steps:
         steps.set_postfix_str("loading checkpoint")
-        ckpt = load_checkpoint(source, revision=revision, tokenizer_source=tokenizer)
+        ckpt = load_checkpoint(source, revision=revision, tokenizer_source=tokenizer, resolved=resolved)
         model = from_hf_model(ckpt.model, head=head, kv_cache=kv_cache)
         steps.update()
         with atomic_output_dir(out, force=force, sources=sources) as tmp:
@@ -99,8 +114,10 @@ def export_model(
                 checks = validate(tmp / MODEL_FILE, ckpt.model, head=head, atol=atol, kv_cache=kv_cache)
                 steps.update()
                 steps.clear()
-                print(f"validation (ONNX Runtime vs PyTorch, atol {atol:g}):", file=log)
-                print_checks(checks, file=log)
+                if log is not None:
+                    print(f"validation (ONNX Runtime vs PyTorch, atol {atol:g}):", file=log)
+                    print_checks(checks, file=log)
+                    log.flush()  # before an error line on the other stream
                 raise_on_failure(checks)
 
             manifest = write_manifest(

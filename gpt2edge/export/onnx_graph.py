@@ -13,10 +13,8 @@ import torch
 from gpt2edge.errors import ExportError
 from gpt2edge.export.fused_ops import onnx_translation
 from gpt2edge.export.model import ExportableGPT2
+from gpt2edge.export.options import DEFAULT_OPSET, check_opset
 from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD
-
-SUPPORTED_OPSETS = range(18, 24)  # the dynamo exporter starts at 18; 23 is the newest ONNX Runtime runs here
-DEFAULT_OPSET = 18
 
 
 def io_names(n_layer: int) -> tuple[list[str], list[str]]:
@@ -62,13 +60,6 @@ def _example_inputs(model: ExportableGPT2) -> tuple:
     pos = torch.arange(P, P + S).expand(B, S).contiguous()
     past = tuple(torch.zeros(B, d.n_head, P, d.head_dim) for _ in range(2 * d.n_layer))
     return ids, mask, pos, *past
-
-
-def check_opset(opset: int) -> None:
-    if opset not in SUPPORTED_OPSETS:
-        raise ExportError(
-            f"Opset {opset} is not supported; choose {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}."
-        )
 
 
 def export_graph(model: ExportableGPT2, path: Path, opset: int = DEFAULT_OPSET) -> list[str]:

@@ -9,14 +9,16 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from gpt2edge.errors import ValidationError
+from gpt2edge.export.options import DEFAULT_ATOL
 from gpt2edge.runtime.generate import position_ids_from_mask  # the runtime's own rule, so both agree
 
-DEFAULT_ATOL = 1e-4
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Check:
 
 def hf_step(hf_model, ids, mask, pos, past: list[torch.Tensor] | None):
     """One forward of the transformers model; returns (logprobs (B, S, V), flat presents)."""
+    import torch
     from transformers import DynamicCache
 
     cache = DynamicCache(config=hf_model.config)
@@ -68,6 +71,7 @@ def validate(
     A shared-cache graph gets the same cases; at decode its past is PyTorch's cache placed at the start of a
     larger zeroed buffer, and the valid slots of the buffer it returns are compared with PyTorch's cache."""
     import onnxruntime as ort
+    import torch
 
     cfg = hf_model.config
     L, H, D = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 import gpt2edge
 from gpt2edge.errors import QuantizeError
+from gpt2edge.extras import require_extra
 from gpt2edge.folder import atomic_output_dir, check_output_dir, check_sources
 from gpt2edge.manifest import graph_files, load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
@@ -25,8 +26,11 @@ from gpt2edge.onnx_stats import decode_weight_bytes
 WIDTH = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
 MODES = ("fp16", "int8", "int4")
 DEFAULT_BLOCK_SIZE = {"int8": 128, "int4": 32}
-# 4 = int8 activations in MatMulNBits: on AVX2 without VNNI it is ~40x faster than the float path (level 0)
+# MatMulNBits' compute types: 0 as the input (float), 1 fp32, 2 fp16, 3 bf16, 4 int8 activations;
+# 4: on AVX2 without VNNI it is ~40x faster than the float path (level 0)
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 DEFAULT_ACCURACY_LEVEL = 4
+HEAD_BITS = (4, 8)
 # int4 symmetric (llama.cpp Q4_0's form): ONNX Runtime's 4-bit kernel without zero points decodes ~7 % faster
 # here (~20 % in the matmuls alone) at a ~10 % higher KL; int8 keeps zero points, its kernel speed is the same
 DEFAULT_SYMMETRIC = {"int8": False, "int4": True}
@@ -84,26 +88,28 @@ def make_recipe(
     if mode not in MODES:
         raise QuantizeError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")
     if mode == "fp16":
-        if block_size or head_bits or keep_head_fp32 or symmetric is not None:
+        if any(x is not None for x in (block_size, accuracy_level, head_bits, symmetric)) or keep_head_fp32:
             raise QuantizeError(
-                "--block-size, --head-bits, --keep-head-fp32 and --symmetric/--asymmetric apply to int8/int4, not fp16."
+                "--block-size, --accuracy-level, --head-bits, --keep-head-fp32 and --symmetric/--asymmetric apply "
+                "to int8/int4, not fp16."
             )
         return Recipe("fp16")
-    block_size = block_size or DEFAULT_BLOCK_SIZE[mode]
+    block_size = DEFAULT_BLOCK_SIZE[mode] if block_size is None else block_size
     check_block_size(block_size)
     if accuracy_level is None:
         accuracy_level = DEFAULT_ACCURACY_LEVEL
-    if accuracy_level not in (0, 1, 2, 3, 4):
+    if accuracy_level not in ACCURACY_LEVELS:
         raise QuantizeError(f"--accuracy-level must be 0..4, got {accuracy_level}.")
-    if keep_head_fp32 and head_bits:
+    if keep_head_fp32 and head_bits is not None:
         raise QuantizeError("Give either --keep-head-fp32 or --head-bits, not both.")
-    if head_bits not in (None, 4, 8):
+    if head_bits not in (None, *HEAD_BITS):
         raise QuantizeError(f"--head-bits must be 4 or 8, got {head_bits}.")
     if mode == "int8" and head_bits == 4:
         raise QuantizeError("--head-bits 4 is for int4; an int8 model keeps its head at 8 bits or fp32.")
     if symmetric is None:
         symmetric = DEFAULT_SYMMETRIC[mode]
-    return Recipe(mode, block_size, accuracy_level, None if keep_head_fp32 else (head_bits or 8), symmetric)
+    head_bits = None if keep_head_fp32 else (8 if head_bits is None else head_bits)
+    return Recipe(mode, block_size, accuracy_level, head_bits, symmetric)
 
 
 def quantize_model(
@@ -117,9 +123,10 @@ def quantize_model(
     log=sys.stderr,
 ) -> dict[str, Any]:
     """Write the `recipe` variant of export folder `src` to `out`; returns the new manifest."""
+    require_extra("quantize", "quantize")
     import onnx
 
-    from gpt2edge.quality import compare_folders, print_report
+    from gpt2edge.quality import check_report_text, compare_folders, print_report
 
     src, out = Path(src), Path(out)
     info = load_manifest(src)  # every path it names stays inside src
@@ -143,10 +150,17 @@ def quantize_model(
             "Make fp16 from a --kv-cache concat export, or use int8/int4 here."
         )
     check_output_dir(out, force, sources=[src])
+    if report:
+        check_report_text(src, text)  # an empty or one-token --text, refused before the work
     verify_files(src, info)
 
     with tqdm(
-        total=3 if report else 2, desc=f"quantize {recipe.mode}", unit="step", file=sys.stderr, leave=False
+        total=3 if report else 2,
+        desc=f"quantize {recipe.mode}",
+        unit="step",
+        file=sys.stderr,
+        leave=False,
+        disable=None,
     ) as bar:
         model = onnx.load(str(resolve_inside(src, info.graph.file)))
         if recipe.mode == "fp16":
@@ -183,7 +197,7 @@ def quantize_model(
             if report:
                 # measured on the finished folder, exactly as the runtime will load it
                 bar.set_postfix_str("quality report")
-                manifest["quality"] = compare_folders(src, tmp, text=text)
+                manifest["quality"] = compare_folders(src, tmp, text=text, variant_name=str(out))
                 bar.update()
                 bar.clear()
                 print_report(manifest["quality"], title=f"{recipe.mode} vs fp32", file=log)

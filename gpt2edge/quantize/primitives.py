@@ -17,6 +17,8 @@ import numpy as np
 from gpt2edge.errors import QuantizeError
 
 SUPPORTED_BITS = (4, 8)
+# what ONNX Runtime's MatMulNBits packing (MlasQuantizeBlockwise) accepts: 512 and up abort in its C++ code
+BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 
 @dataclass
@@ -39,8 +41,11 @@ class BlockQuantized:
 
 
 def check_block_size(block_size: int) -> None:
-    if block_size < 16 or block_size & (block_size - 1):
-        raise QuantizeError(f"--block-size must be a power of two >= 16, got {block_size}.")
+    if block_size not in BLOCK_SIZES:
+        raise QuantizeError(
+            f"--block-size must be a power of two from 16 to 256 ({', '.join(map(str, BLOCK_SIZES))}: what ONNX "
+            f"Runtime's MatMulNBits supports), got {block_size}."
+        )
 
 
 def quantize_blockwise(w_kn: np.ndarray, bits: int, block_size: int, symmetric: bool = False) -> BlockQuantized:

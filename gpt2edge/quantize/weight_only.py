@@ -1,8 +1,8 @@
 """Weight-only block quantization of an exported graph: every weight MatMul becomes a MatMulNBits.
 
 The tied embedding / LM head is quantized once: the head's Gemm becomes a MatMulNBits over the packed table,
-and the embedding Gather reads rows of that same packed table and dequantizes them in the graph (a Gather of a
-few rows costs nothing next to the head's full read). The file holds the table once, at the head's width.
+and the embedding lookup becomes one GatherBlockQuantized reading rows of that same packed table (a lookup of
+a few rows costs nothing next to the head's full read). The file holds the table once, at the head's width.
 """
 
 from __future__ import annotations
@@ -41,53 +41,65 @@ def _const(name: str, value) -> onnx.TensorProto:
     return numpy_helper.from_array(np.asarray(value), name)
 
 
-def _dequant_gather(node: onnx.NodeProto, prefix: str, q: BlockQuantized) -> tuple[list, list]:
-    """Replace Gather(table, ids) by a Gather of packed rows + in-graph dequantization: (..., C) float32."""
+def _gather_rows(node: onnx.NodeProto, prefix: str, q: BlockQuantized) -> tuple[list, list]:
+    """Replace Gather(table, ids) by a lookup in the packed table that dequantizes the rows: (..., C) float32."""
+    if q.k_blocks * q.block_size != q.K:
+        raise QuantizeError(f"n_embd={q.K} must be a multiple of --block-size {q.block_size} for the embedding.")
+    if q.bits == 4 and q.zero_points is not None:
+        return _dequant_gather_4bit_zp(node, prefix, q)
+    return _gather_block_quantized(node, prefix, q)
+
+
+def _gather_block_quantized(node: onnx.NodeProto, prefix: str, q: BlockQuantized) -> tuple[list, list]:
+    """One GatherBlockQuantized (ONNX Runtime >= 1.23) on the packed table (rows, k_blocks, blob) that
+    MatMulNBits reads too; each block is its last axis. It wants scales / zero points of the table's rank:
+    Reshapes of the 2-D ones (folded into constants at load; the file keeps one copy)."""
     ids, out = node.input[1], node.output[0]
     p = f"{prefix}.embed"
-    nodes = [helper.make_node("Gather", [f"{prefix}.q{q.bits}", ids], [f"{p}.codes"], axis=0)]  # (B, S, kb, blob)
-    inits = [_const(f"{p}.shape", [0, 0, q.k_blocks * q.block_size])]
-    codes = f"{p}.codes"
-    if q.bits == 4:
-        # two codes per byte, low nibble first: split, interleave on a new last axis, flatten it back
-        inits += [_const(f"{p}.lowmask", np.uint8(0x0F)), _const(f"{p}.four", np.uint8(4)), _const(f"{p}.last", [-1])]
-        inits += [_const(f"{p}.unpacked_shape", [0, 0, q.k_blocks, q.block_size])]
-        nodes += [
-            helper.make_node("BitwiseAnd", [codes, f"{p}.lowmask"], [f"{p}.lo"]),
-            helper.make_node("BitShift", [codes, f"{p}.four"], [f"{p}.hi"], direction="RIGHT"),
-            helper.make_node("Unsqueeze", [f"{p}.lo", f"{p}.last"], [f"{p}.lo1"]),
-            helper.make_node("Unsqueeze", [f"{p}.hi", f"{p}.last"], [f"{p}.hi1"]),
-            helper.make_node("Concat", [f"{p}.lo1", f"{p}.hi1"], [f"{p}.pairs"], axis=-1),
-            helper.make_node("Reshape", [f"{p}.pairs", f"{p}.unpacked_shape"], [f"{p}.codes4"]),
-        ]
-        codes = f"{p}.codes4"
-    nodes.append(helper.make_node("Cast", [codes], [f"{p}.codes_f"], to=onnx.TensorProto.FLOAT))
-    scale_rows = f"{prefix}.scales"
-    nodes.append(helper.make_node("Gather", [scale_rows, ids], [f"{p}.scale"], axis=0))  # (B, S, kb)
-    inits.append(_const(f"{p}.last_axis", [-1]))
-    nodes.append(helper.make_node("Unsqueeze", [f"{p}.scale", f"{p}.last_axis"], [f"{p}.scale1"]))
-    if q.zero_points is not None:
-        zp_rows = f"{prefix}.zero_points"
-        if q.bits == 4:  # packed two per byte: keep an unpacked copy for the rows (rows x k_blocks bytes)
-            zp_rows = f"{p}.zero_points_u8"
-            zp = unpack_codes(q.zero_points, q.bits)[:, : q.k_blocks]
-            inits.append(numpy_helper.from_array(np.ascontiguousarray(zp), zp_rows))
-        nodes += [
-            helper.make_node("Gather", [zp_rows, ids], [f"{p}.zp"], axis=0),
-            helper.make_node("Cast", [f"{p}.zp"], [f"{p}.zp_f"], to=onnx.TensorProto.FLOAT),
-            helper.make_node("Unsqueeze", [f"{p}.zp_f", f"{p}.last_axis"], [f"{p}.zp1"]),
-        ]
-        zp_name = f"{p}.zp1"
-    else:
-        inits.append(_const(f"{p}.zp_sym", np.float32(1 << (q.bits - 1))))
-        zp_name = f"{p}.zp_sym"
+    inits = [_const(f"{p}.per_block", [0, 0, 1]), _const(f"{p}.flat", [0, 0, -1])]
+    nodes = [helper.make_node("Reshape", [f"{prefix}.scales", f"{p}.per_block"], [f"{p}.scales"])]  # (rows, kb, 1)
+    inputs = [f"{prefix}.q{q.bits}", ids, f"{p}.scales"]
+    if q.zero_points is not None:  # 8-bit: one byte per block, (rows, kb) -> (rows, kb, 1)
+        nodes.append(helper.make_node("Reshape", [f"{prefix}.zero_points", f"{p}.per_block"], [f"{p}.zero_points"]))
+        inputs.append(f"{p}.zero_points")
+    attrs = dict(bits=q.bits, block_size=q.block_size, gather_axis=0, quantize_axis=2)
     nodes += [
-        helper.make_node("Sub", [f"{p}.codes_f", zp_name], [f"{p}.centered"]),
+        helper.make_node("GatherBlockQuantized", inputs, [f"{p}.blocks"], domain=MS_DOMAIN, **attrs),  # (B, S, kb, bs)
+        helper.make_node("Reshape", [f"{p}.blocks", f"{p}.flat"], [out]),  # (B, S, C)
+    ]
+    return nodes, inits
+
+
+def _dequant_gather_4bit_zp(node: onnx.NodeProto, prefix: str, q: BlockQuantized) -> tuple[list, list]:
+    """4-bit rows with zero points, dequantized by hand: ONNX Runtime before 1.27 reads GatherBlockQuantized's
+    4-bit zero points packed across blocks (wrong rows for this table's layout), so only this form keeps it."""
+    ids, out = node.input[1], node.output[0]
+    p = f"{prefix}.embed"
+    nodes = [helper.make_node("Gather", [f"{prefix}.q4", ids], [f"{p}.codes"], axis=0)]  # (B, S, kb, blob)
+    inits = [_const(f"{p}.shape", [0, 0, q.k_blocks * q.block_size]), _const(f"{p}.last_axis", [-1])]
+    # two codes per byte, low nibble first: split, interleave on a new last axis, flatten it back
+    inits += [_const(f"{p}.lowmask", np.uint8(0x0F)), _const(f"{p}.four", np.uint8(4))]
+    inits += [_const(f"{p}.unpacked_shape", [0, 0, q.k_blocks, q.block_size])]
+    # zero points are packed two per byte too: keep an unpacked copy for the rows (rows x k_blocks bytes)
+    zp = unpack_codes(q.zero_points, q.bits)[:, : q.k_blocks]
+    inits.append(numpy_helper.from_array(np.ascontiguousarray(zp), f"{p}.zero_points_u8"))
+    nodes += [
+        helper.make_node("BitwiseAnd", [f"{p}.codes", f"{p}.lowmask"], [f"{p}.lo"]),
+        helper.make_node("BitShift", [f"{p}.codes", f"{p}.four"], [f"{p}.hi"], direction="RIGHT"),
+        helper.make_node("Unsqueeze", [f"{p}.lo", f"{p}.last_axis"], [f"{p}.lo1"]),
+        helper.make_node("Unsqueeze", [f"{p}.hi", f"{p}.last_axis"], [f"{p}.hi1"]),
+        helper.make_node("Concat", [f"{p}.lo1", f"{p}.hi1"], [f"{p}.pairs"], axis=-1),
+        helper.make_node("Reshape", [f"{p}.pairs", f"{p}.unpacked_shape"], [f"{p}.codes4"]),
+        helper.make_node("Cast", [f"{p}.codes4"], [f"{p}.codes_f"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Gather", [f"{prefix}.scales", ids], [f"{p}.scale"], axis=0),  # (B, S, kb)
+        helper.make_node("Unsqueeze", [f"{p}.scale", f"{p}.last_axis"], [f"{p}.scale1"]),
+        helper.make_node("Gather", [f"{p}.zero_points_u8", ids], [f"{p}.zp"], axis=0),
+        helper.make_node("Cast", [f"{p}.zp"], [f"{p}.zp_f"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", [f"{p}.zp_f", f"{p}.last_axis"], [f"{p}.zp1"]),
+        helper.make_node("Sub", [f"{p}.codes_f", f"{p}.zp1"], [f"{p}.centered"]),
         helper.make_node("Mul", [f"{p}.centered", f"{p}.scale1"], [f"{p}.blocks"]),  # (B, S, kb, bs)
         helper.make_node("Reshape", [f"{p}.blocks", f"{p}.shape"], [out]),  # (B, S, C)
     ]
-    if q.k_blocks * q.block_size != q.K:
-        raise QuantizeError(f"n_embd={q.K} must be a multiple of --block-size {q.block_size} for the embedding.")
     return nodes, inits
 
 
@@ -171,7 +183,7 @@ def quantize_weights(
                 new_inits.append(numpy_helper.from_array(q.zero_points, f"{table}.zero_points"))
             dropped.add(table)
         if table in tables:
-            nodes, qi = _dequant_gather(n, table, tables[table])
+            nodes, qi = _gather_rows(n, table, tables[table])
             final_nodes += nodes
             new_inits += qi
         else:
