@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from gpt2edge import folder as folder_mod
 from gpt2edge.cli import main
 from gpt2edge.errors import ModelFolderError, OutputExistsError
-from gpt2edge.export import exporter
+from gpt2edge.export import exporter, onnx_graph
 from gpt2edge.manifest import MANIFEST_NAME, file_digest, read_manifest
 from gpt2edge.quantize import handler
 from gpt2edge.quantize.handler import make_recipe, quantize_model
@@ -427,11 +427,11 @@ def test_disk_full_during_export(tiny_checkpoint, tmp_path, monkeypatch, where):
     from gpt2edge import manifest as manifest_mod
 
     if where == "graph":
-        monkeypatch.setattr(exporter, "export_graph", _half_write_then_enospc)
+        monkeypatch.setattr(onnx_graph, "export_graph", _half_write_then_enospc)
     elif where == "manifest":
         monkeypatch.setattr(manifest_mod.os, "fsync", _enospc)
     else:  # a C++ writer reports ENOSPC as its own exception: the free space tells
-        monkeypatch.setattr(exporter, "export_graph", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("write")))
+        monkeypatch.setattr(onnx_graph, "export_graph", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("write")))
         monkeypatch.setattr(folder_mod.shutil, "disk_usage", lambda p: SimpleNamespace(total=1, used=1, free=0))
     r = cli("export", "-m", tiny_checkpoint, tmp_path / "out", "--no-validate")
     assert_one_line_error(r, "disk full")
