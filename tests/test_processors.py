@@ -4,6 +4,8 @@ Agreement means: the same kept token set, probabilities after softmax within 1e-
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -326,3 +328,40 @@ def test_min_new_tokens_matches_transformers(min_new):
         proc = MinNewTokensLengthLogitsProcessor(5, min_new, [3, 7])
         ref = proc(torch.zeros((3, 5 + n_generated), dtype=torch.long), torch.from_numpy(scores.copy())).numpy()
         assert (apply_min_new_tokens(scores, n_generated, min_new, (3, 7)) == ref).all()
+
+
+TRAINED = Path("/work/shared/trained-gpt2-py")
+
+
+@pytest.fixture(scope="module")
+def real_logprobs() -> np.ndarray:
+    """(16, 50257) next-token log-probs of a small GPT-2 trained on Python source (real, peaked rows)."""
+    if not (TRAINED / "model.safetensors").exists():
+        pytest.skip("the trained GPT-2 is not in /work/shared")
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(TRAINED).eval()
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 50257, (1, 8)))
+    with torch.no_grad():
+        for _ in range(24):  # continue greedily: later rows are confident, like real text
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], 1)
+        logits = model(ids).logits[0, -16:]
+    return torch.log_softmax(logits, -1).numpy()
+
+
+@pytest.mark.parametrize("t", [0.7, 1.0])
+def test_every_warper_matches_transformers_on_real_distributions(real_logprobs, t):
+    scores = real_logprobs
+    scaled = scores / np.float32(t)
+    warp = (TemperatureLogitsWarper(t),) if t != 1.0 else ()
+    for k in (1, 40):
+        assert_same(our_probs(scores, temperature=t, top_k=k), hf_probs(scores, *warp, TopKLogitsWarper(k)), scaled)
+    for p in (0.5, 0.9, 0.99):
+        assert_same_top_p(our_probs(scores, temperature=t, top_p=p), hf_probs(scores, *warp, TopPLogitsWarper(p)),
+                          scaled, p)  # fmt: skip
+    for m in (0.02, 0.1):
+        ref = hf_probs(scores, *warp, MinPLogitsWarper(m))
+        assert_same(our_probs(scores, temperature=t, min_p=m), ref, scaled, min_p_sensitive(scaled, m))
+    for m in (0.2, 0.9):
+        ref = hf_probs(scores, *warp, TypicalLogitsWarper(m))
+        assert_same(our_probs(scores, temperature=t, typical_p=m), ref, scaled, typical_p_sensitive(scaled, m))

@@ -11,7 +11,7 @@ from scipy import stats
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.sampling import SamplingParams, apply_processors, next_tokens, warp_row
+from gpt2edge.runtime.sampling import SamplingParams, apply_processors, next_tokens, sample_index, warp_row
 
 V = 2000
 EOS = 7
@@ -141,6 +141,26 @@ def test_sampling_follows_filtered_distribution_chi_square():
     f_exp = expected[keep] / expected[keep].sum() * n  # float64, sums to n exactly as scipy requires
     _, pvalue = stats.chisquare(counts[keep], f_exp)
     assert pvalue > 1e-3, f"sampling does not follow the filtered distribution (p={pvalue:.2g})"
+
+
+class AlmostOne:
+    """A Generator stand-in whose uniform draw is as close to 1 as a float gets: the draw lands at the very end."""
+
+    def random(self) -> float:
+        return 1 - 2**-53
+
+
+@pytest.mark.parametrize("n", [7, 50257])  # the short path and the block-by-block one
+def test_sample_index_follows_probs_and_never_draws_a_zero(n):
+    probs = np.zeros(n, np.float32)
+    heavy = [1, n // 2, n - 2]  # the last id has probability 0
+    probs[heavy] = [0.5, 0.3, 0.2]
+    rng = np.random.default_rng(7)
+    draws = np.array([sample_index(probs, rng) for _ in range(3000)])
+    counts = np.array([(draws == i).sum() for i in heavy])
+    assert counts.sum() == len(draws), "drew a token of probability 0"
+    assert stats.chisquare(counts, np.array([0.5, 0.3, 0.2]) * len(draws)).pvalue > 1e-3
+    assert sample_index(probs, AlmostOne()) == n - 2  # past the end by rounding: the last possible token
 
 
 def test_history_is_needed_exactly_when_a_processor_reads_it():

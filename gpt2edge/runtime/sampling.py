@@ -22,7 +22,8 @@ __all__ = ["SamplingParams", "apply_processors", "next_tokens", "sample_index", 
 
 NEG_INF = np.float32(-np.inf)
 _SMALL = 256  # rows this short are sorted whole
-_POOL_MARGINS = (4.0, 8.0, 16.0, 32.0)  # score margins below the best token tried in turn for a top-p pool
+_BINS = 64  # half-nat bins of the top-p pool histogram: 32 nats below the best token, then one for the rest
+_BLOCK = 1024  # sample_index's block length on long rows
 
 
 # ---- processors: (B, V) scores and each row's history (prompt + generated ids) -> (B, V) scores -------------
@@ -97,15 +98,19 @@ def apply_min_new_tokens(scores: np.ndarray, n_generated: int, min_new_tokens: i
 
 
 # ---- warpers: one row's surviving tokens (ids, float32 vals) -> the tokens they keep ------------------------
+# ids None means every token of the row (vals is then the whole row): the common top-k path never builds them.
+
+
+def _take(ids: np.ndarray | None, vals: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Keep positions `keep` (indices or a mask into vals) of the surviving tokens."""
+    keep = np.flatnonzero(keep) if keep.dtype == bool else keep
+    return (keep if ids is None else ids[keep]), vals[keep]
 
 
 def softmax(vals: np.ndarray) -> np.ndarray:
-    """float32 softmax as torch computes it: shift by the max, exp, multiply by the reciprocal of the sum.
-
-    exp and the sum run in float64 and are rounded to float32: torch's float32 exp is (nearly) correctly
-    rounded and its sum is close to exact, so this reproduces torch's values more often than float32 NumPy.
-    """
-    e = np.exp((vals - vals.max()).astype(np.float64)).astype(np.float32)
+    """float32 softmax as torch computes it: shift by the max, exp, multiply by the reciprocal of the sum
+    (the sum accumulated in float64: torch's float32 lane sums are close to exact, NumPy's float32 one less so)."""
+    e = np.exp(vals - vals.max())
     return e * (np.float32(1.0) / np.float32(e.sum(dtype=np.float64)))
 
 
@@ -131,12 +136,11 @@ def top_k_pool(vals: np.ndarray, k: int) -> np.ndarray:
     return pool[vals[pool] >= kth]
 
 
-def apply_top_k(ids: np.ndarray, vals: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def apply_top_k(ids: np.ndarray | None, vals: np.ndarray, k: int) -> tuple[np.ndarray | None, np.ndarray]:
     """TopKLogitsWarper: keep the k best (and ties with the k-th); 0 disables it."""
     if k <= 0 or k >= vals.size:
         return ids, vals
-    pool = top_k_pool(vals, k)
-    return ids[pool], vals[pool]
+    return _take(ids, vals, top_k_pool(vals, k))
 
 
 def _top_p_pool(vals: np.ndarray, probs: np.ndarray, threshold: np.float32) -> tuple[np.ndarray, float]:
@@ -144,18 +148,22 @@ def _top_p_pool(vals: np.ndarray, probs: np.ndarray, threshold: np.float32) -> t
 
     transformers removes a token when the float32 cumulative mass of it and every token below it is <= 1 - top_p;
     the token just below the pool has exactly the rest's mass, so the pool holds the answer when that passes.
+    A histogram of the mass by distance below the best score (half-nat bins) gives the pool in one pass.
     """
+    if vals.size <= _SMALL:
+        return np.arange(vals.size), 0.0
     total = probs.sum(dtype=np.float64)
-    if vals.size > _SMALL:
-        for margin in _POOL_MARGINS:
-            pool = np.flatnonzero(vals >= vals.max() - np.float32(margin))
-            rest = total - probs[pool].sum(dtype=np.float64)
-            if np.float32(rest) <= threshold:
-                return pool, rest
-    return np.arange(vals.size), 0.0
+    bins = np.minimum((vals.max() - vals) * np.float32(2), np.float32(_BINS)).astype(np.intp)  # -inf: last bin
+    rest_after = total - np.cumsum(np.bincount(bins, weights=probs, minlength=_BINS + 1))
+    for b in range(int(np.argmax(rest_after <= threshold)), _BINS + 1):  # the last bin leaves no rest
+        pool = np.flatnonzero(bins <= b)
+        rest = total - probs[pool].sum(dtype=np.float64)
+        if np.float32(rest) <= threshold or b == _BINS:
+            return pool, max(rest, 0.0)
+    raise AssertionError("unreachable: the last bin holds every token")
 
 
-def apply_top_p(ids: np.ndarray, vals: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+def apply_top_p(ids: np.ndarray | None, vals: np.ndarray, top_p: float) -> tuple[np.ndarray | None, np.ndarray]:
     """TopPLogitsWarper: softmax in float32, sort ascending, cumulative sum accumulated in float64 (torch's CPU
     cumsum) rounded to float32, remove where <= float32(1 - top_p); the best token is always kept."""
     if top_p >= 1.0:
@@ -167,29 +175,27 @@ def apply_top_p(ids: np.ndarray, vals: np.ndarray, top_p: float) -> tuple[np.nda
     cum = (rest + np.cumsum(probs[order], dtype=np.float64)).astype(np.float32)
     remove = cum <= threshold
     remove[-1] = False
-    keep = order[~remove]
-    return ids[keep], vals[keep]
+    return _take(ids, vals, order[~remove])
 
 
-def apply_min_p(ids: np.ndarray, vals: np.ndarray, min_p: float | None) -> tuple[np.ndarray, np.ndarray]:
+def apply_min_p(ids: np.ndarray | None, vals: np.ndarray, min_p: float | None) -> tuple[np.ndarray | None, np.ndarray]:
     """MinPLogitsWarper: remove tokens whose float32 probability is < min_p x the best one's; None disables it."""
     if min_p is None:
         return ids, vals
     probs = softmax(vals)
     keep = ~(probs < np.float32(min_p) * probs.max())
     keep[probs.argmax()] = True
-    return ids[keep], vals[keep]
+    return _take(ids, vals, keep)
 
 
-def apply_typical_p(ids: np.ndarray, vals: np.ndarray, mass: float) -> tuple[np.ndarray, np.ndarray]:
+def apply_typical_p(ids: np.ndarray | None, vals: np.ndarray, mass: float) -> tuple[np.ndarray | None, np.ndarray]:
     """TypicalLogitsWarper: rank tokens by |-log p - entropy|, keep the best ranks up to `mass` (ties with the last
     kept score stay); 1.0 disables it. Only a pool of the best-ranked tokens is sorted."""
     if mass >= 1.0:
         return ids, vals
     m = vals.max()
-    sum_exp = np.exp((vals - m).astype(np.float64)).astype(np.float32).sum(dtype=np.float64)
-    normalized = (vals - m) - np.float32(np.log(sum_exp))  # float32 log_softmax
-    p = np.exp(normalized.astype(np.float64)).astype(np.float32)
+    normalized = (vals - m) - np.float32(np.log(np.exp(vals - m).sum(dtype=np.float64)))  # float32 log_softmax
+    p = np.exp(normalized)
     ent = -np.nansum(normalized * p, dtype=np.float32)  # -inf * 0 is nan: skipped, like torch.nansum
     shifted = np.abs(-normalized - ent)
     probs = softmax(vals)
@@ -204,26 +210,40 @@ def apply_typical_p(ids: np.ndarray, vals: np.ndarray, mass: float) -> tuple[np.
         if cum[-1] >= limit or k == vals.size:
             break
         k = min(4 * k, vals.size)
-    last = min(int((cum < limit).sum()), vals.size - 1)  # transformers' last_ind, clamped to the row
-    cutoff = shifted[order[min(last, len(order) - 1)]]
-    keep = shifted <= cutoff  # holds the best-ranked token, so min_tokens_to_keep=1 needs nothing more
-    return ids[keep], vals[keep]
+    last = min(int((cum < limit).sum()), len(order) - 1)  # transformers' last_ind (it clamps to the row)
+    return _take(ids, vals, shifted <= shifted[order[last]])  # holds the best-ranked token: min_tokens_to_keep=1
 
 
 def warp_row(row: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """One row of processed scores -> (kept ids, their float32 probabilities), warpers in transformers' order."""
-    ids, vals = np.arange(row.size), apply_temperature(row, params.temperature)  # TemperatureLogitsWarper
+    ids, vals = None, apply_temperature(row, params.temperature)  # TemperatureLogitsWarper
     ids, vals = apply_top_k(ids, vals, params.top_k)  # TopKLogitsWarper
     ids, vals = apply_top_p(ids, vals, params.top_p)  # TopPLogitsWarper
     ids, vals = apply_min_p(ids, vals, params.min_p)  # MinPLogitsWarper
     ids, vals = apply_typical_p(ids, vals, params.typical_p)  # TypicalLogitsWarper
-    return ids, softmax(vals)
+    return (np.arange(row.size) if ids is None else ids), softmax(vals)
+
+
+def _first_above(cdf: np.ndarray, target: float) -> int:
+    """The first index whose cumulative value exceeds target; past the end (rounding), the last positive one."""
+    i = int(np.searchsorted(cdf, target, side="right"))
+    return i if i < len(cdf) else int(np.searchsorted(cdf, cdf[-1], side="left"))
 
 
 def sample_index(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """One draw by inverse CDF: the first index whose cumulative probability exceeds a uniform number."""
-    cdf = np.cumsum(probs, dtype=np.float64)
-    return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(probs) - 1)
+    """One draw by inverse CDF. A long row goes block by block: its whole cumulative sum would cost more than
+    the rest of sampling."""
+    u = rng.random()
+    if probs.size <= 4 * _BLOCK:
+        cdf = np.cumsum(probs, dtype=np.float64)
+        return _first_above(cdf, u * cdf[-1])
+    padded = np.zeros(-(-probs.size // _BLOCK) * _BLOCK)  # float64, zero-padded to whole blocks
+    padded[: probs.size] = probs
+    blocks = padded.reshape(-1, _BLOCK)  # (n_blocks, _BLOCK)
+    block_cdf = np.cumsum(blocks.sum(1))
+    b = _first_above(block_cdf, u * block_cdf[-1])
+    target = u * block_cdf[-1] - (block_cdf[b - 1] if b else 0.0)
+    return b * _BLOCK + _first_above(np.cumsum(blocks[b]), target)
 
 
 def apply_processors(
