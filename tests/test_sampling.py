@@ -163,6 +163,12 @@ def test_sample_index_follows_probs_and_never_draws_a_zero(n):
     assert sample_index(probs, AlmostOne()) == n - 2  # past the end by rounding: the last possible token
 
 
+def test_a_row_with_every_token_banned_is_a_clear_error():
+    p = params(no_repeat_ngram_size=1)  # a 1-gram ban: every token seen so far
+    with pytest.raises(GenerationError, match="No token is left to sample"):
+        next_tokens(random_logprobs(0, vocab=6), p, [np.arange(6)] * 3, 0, np.random.default_rng(0))
+
+
 def test_history_is_needed_exactly_when_a_processor_reads_it():
     assert not SamplingParams().uses_history
     assert not SamplingParams(bad_words_ids=[[5]], top_k=3, min_p=0.1).uses_history  # one-token bans: no history

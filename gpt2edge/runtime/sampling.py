@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.sampling_params import SamplingParams
 
 __all__ = ["SamplingParams", "apply_processors", "next_tokens", "sample_index", "softmax", "warp_row"]
@@ -143,24 +144,24 @@ def apply_top_k(ids: np.ndarray | None, vals: np.ndarray, k: int) -> tuple[np.nd
     return _take(ids, vals, top_k_pool(vals, k))
 
 
-def _top_p_pool(vals: np.ndarray, probs: np.ndarray, threshold: np.float32) -> tuple[np.ndarray, float]:
-    """(indices of the best tokens, float64 mass of the rest) with that rest all removed by top-p.
+def _top_p_pool(vals: np.ndarray, probs: np.ndarray, threshold: np.float32) -> tuple[np.ndarray | None, float]:
+    """(indices of the best tokens or None for all, float64 mass of the rest) with that rest all removed by top-p.
 
     transformers removes a token when the float32 cumulative mass of it and every token below it is <= 1 - top_p;
     the token just below the pool has exactly the rest's mass, so the pool holds the answer when that passes.
     A histogram of the mass by distance below the best score (half-nat bins) gives the pool in one pass.
     """
     if vals.size <= _SMALL:
-        return np.arange(vals.size), 0.0
+        return None, 0.0
     total = probs.sum(dtype=np.float64)
     bins = np.minimum((vals.max() - vals) * np.float32(2), np.float32(_BINS)).astype(np.intp)  # -inf: last bin
     rest_after = total - np.cumsum(np.bincount(bins, weights=probs, minlength=_BINS + 1))
-    for b in range(int(np.argmax(rest_after <= threshold)), _BINS + 1):  # the last bin leaves no rest
+    for b in range(int(np.argmax(rest_after <= threshold)), _BINS):
         pool = np.flatnonzero(bins <= b)
         rest = total - probs[pool].sum(dtype=np.float64)
-        if np.float32(rest) <= threshold or b == _BINS:
+        if np.float32(rest) <= threshold:
             return pool, max(rest, 0.0)
-    raise AssertionError("unreachable: the last bin holds every token")
+    return None, 0.0  # the last bin: every token
 
 
 def apply_top_p(ids: np.ndarray | None, vals: np.ndarray, top_p: float) -> tuple[np.ndarray | None, np.ndarray]:
@@ -171,11 +172,11 @@ def apply_top_p(ids: np.ndarray | None, vals: np.ndarray, top_p: float) -> tuple
     probs = softmax(vals)
     threshold = np.float32(1.0 - top_p)
     pool, rest = _top_p_pool(vals, probs, threshold)
-    order = pool[np.argsort(vals[pool], kind="stable")]  # ascending; among ties the lower id is removed first
-    cum = (rest + np.cumsum(probs[order], dtype=np.float64)).astype(np.float32)
-    remove = cum <= threshold
-    remove[-1] = False
-    return _take(ids, vals, order[~remove])
+    # ascending; among ties the lower id comes first (is removed first)
+    order = np.argsort(vals, kind="stable") if pool is None else pool[np.argsort(vals[pool], kind="stable")]
+    cum = (rest + np.cumsum(probs[order], dtype=np.float64)).astype(np.float32)  # non-decreasing
+    n_removed = min(int(np.searchsorted(cum, threshold, side="right")), len(order) - 1)  # cum <= threshold
+    return _take(ids, vals, order[n_removed:])
 
 
 def apply_min_p(ids: np.ndarray | None, vals: np.ndarray, min_p: float | None) -> tuple[np.ndarray | None, np.ndarray]:
@@ -218,6 +219,11 @@ def warp_row(row: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.nd
     """One row of processed scores -> (kept ids, their float32 probabilities), warpers in transformers' order."""
     ids, vals = None, apply_temperature(row, params.temperature)  # TemperatureLogitsWarper
     ids, vals = apply_top_k(ids, vals, params.top_k)  # TopKLogitsWarper
+    if vals.max() == NEG_INF:  # (checked on top-k's few candidates) transformers' multinomial fails with a torch error
+        raise GenerationError(
+            "No token is left to sample: bad_words_ids, no_repeat_ngram_size and min_new_tokens ban every one; "
+            "relax them."
+        )
     ids, vals = apply_top_p(ids, vals, params.top_p)  # TopPLogitsWarper
     ids, vals = apply_min_p(ids, vals, params.min_p)  # MinPLogitsWarper
     ids, vals = apply_typical_p(ids, vals, params.typical_p)  # TypicalLogitsWarper
