@@ -2,11 +2,12 @@
 
 `next_tokens` applies them in the order of transformers' `GenerationMixin._get_logits_processor`, one line each:
 processors on the whole (B, V) batch (repetition penalty, no-repeat n-grams, bad words, min new tokens), then,
-when sampling, warpers on each row (temperature, top-k, top-p, min-p, typical-p). The kept token set is the one
-transformers keeps (same float32 arithmetic and boundary rules); probabilities agree within 1e-6.
+when sampling, warpers on each row (temperature, top-k, top-p, min-p, typical-p). Same float32 arithmetic and
+boundary rules as transformers, so the kept token set is the one it keeps and probabilities agree within 1e-6;
+only a token within transformers' own float32 rounding (a few 1e-6 of mass) of a threshold may go either way.
 
 A warper works on one row's surviving tokens as (ids, vals): every token not in `ids` has score -inf. Top-k,
-top-p and typical-p sort only a candidate pool that provably holds their answer, never the whole vocabulary.
+top-p and typical-p sort only a candidate pool that provably holds their answer (on a peaked row, a few tokens).
 """
 
 from __future__ import annotations
