@@ -209,7 +209,7 @@ def test_plain_stop_string_is_one_stop_string(gen):
     r = gen.generate("The city", max_new_tokens=24, do_sample=False, ignore_eos=True, stop=stop)
     assert r.finish_reason == "stop" and r.text == base.text[: base.text.find(stop)]
     assert "".join(gen.stream("The city", max_new_tokens=24, do_sample=False, ignore_eos=True, stop=stop)) == r.text
-    with pytest.raises(GenerationError, match="Stop strings must be strings"):
+    with pytest.raises(GenerationError, match="Stop strings must be non-empty strings"):
         gen.sampling_params(stop=[1])
 
 

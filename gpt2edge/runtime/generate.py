@@ -125,7 +125,7 @@ def decode_n_tokens(
         for b in np.flatnonzero(active):
             tok = int(tokens[b])
             state.generated[b].append(tok)
-            if params.repetition_penalty != 1.0:
+            if params.uses_history:  # repetition penalty, n-gram and multi-token bad-word bans read the ids
                 seen[b] = np.append(seen[b], tok)
             if tok in eos:
                 state.finish_reasons[b] = "eos"

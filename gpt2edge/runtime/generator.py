@@ -20,8 +20,21 @@ from gpt2edge.runtime.sampling import SamplingParams
 from gpt2edge.runtime.tokenizer import TextTokenizer
 
 # generation_config.json keys that map one-to-one onto SamplingParams
-_CONFIG_KEYS = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
-_SAMPLING_KNOBS = ("temperature", "top_k", "top_p")
+_CONFIG_KEYS = (
+    "max_new_tokens",
+    "min_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+)
+# knobs that act only when sampling: giving one turns sampling on unless do_sample is given
+_SAMPLING_KNOBS = ("temperature", "top_k", "top_p", "min_p", "typical_p")
 
 
 @dataclass
@@ -62,12 +75,12 @@ def _as_tuple(v) -> tuple[int, ...]:
     return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
 
 
-def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+def _stop_strings(stop: str | Sequence[str] | None, what: str = "Stop strings") -> tuple[str, ...]:
     """A plain string is one stop string (not one per character); a list gives several."""
     stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-    bad = [s for s in stops if not isinstance(s, str)]
+    bad = [s for s in stops if not isinstance(s, str) or not s]
     if bad:
-        raise GenerationError(f"Stop strings must be strings, got {bad[0]!r}.")
+        raise GenerationError(f"{what} must be non-empty strings, got {bad[0]!r}.")
     return stops
 
 
@@ -114,9 +127,13 @@ class Generator:
         ignore_eos: bool = False,
         stop: str | Sequence[str] | None = (),
         seed: int | None = None,
+        ban: str | Sequence[str] | None = (),
         **overrides: Any,
     ) -> SamplingParams:
-        """Merge transformers' defaults, generation_config.json and the call's non-None overrides."""
+        """Merge transformers' defaults, generation_config.json and the call's non-None overrides.
+
+        `ban` holds strings never to generate (llama.cpp's logit bias of -inf, transformers' bad_words_ids from
+        text); they join any `bad_words_ids`."""
         unknown = set(overrides) - set(_CONFIG_KEYS)
         if unknown:
             raise GenerationError(f"Unknown generation parameter(s): {', '.join(sorted(unknown))}.")
@@ -125,12 +142,26 @@ class Generator:
         if "do_sample" not in given and any(k in given for k in _SAMPLING_KNOBS):
             given["do_sample"] = True
         values.update(given)
-        return SamplingParams(
+        banned = self.ban_ids(ban)
+        if banned:
+            values["bad_words_ids"] = tuple(dict.fromkeys([*map(tuple, values.get("bad_words_ids") or ()), *banned]))
+        params = SamplingParams(
             **values,
             eos_token_id=() if ignore_eos else self.eos_token_id,
             stop=_stop_strings(stop),
             seed=seed,
         )
+        params.check_vocab(self.graph.vocab_size)  # bad-word and EOS ids the graph does not have: before any work
+        return params
+
+    def ban_ids(self, ban: str | Sequence[str] | None) -> list[tuple[int, ...]]:
+        """Token-id sequences of each banned string, as it would appear mid-text (GPT-2 words carry their leading
+        space, so " word" is banned too unless the string already starts with a space)."""
+        out: list[tuple[int, ...]] = []
+        for s in _stop_strings(ban, "Banned strings"):  # a plain string is one entry, as for stop strings
+            forms = [s] if s.startswith(" ") else [s, " " + s]
+            out.extend(tuple(self.tokenizer.encode(f)) for f in forms)
+        return list(dict.fromkeys(out))
 
     def encode_prompt(self, prompt: str, max_new_tokens: int, truncate: bool) -> list[int]:
         """Token ids of the prompt; raises (or, with truncate, keeps its end) when it cannot fit."""
