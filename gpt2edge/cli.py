@@ -120,7 +120,6 @@ def _cfg_default(value: object) -> str:
 
 THREADS = click.IntRange(1, 1024)  # ONNX Runtime would try to start any number of threads
 SEEDS = click.IntRange(0, 2**63 - 1)
-SAMPLING_KNOBS = ("temperature", "top_k", "top_p", "seed")  # what only matters when sampling
 
 
 @main.command()
@@ -245,8 +244,7 @@ def generate(
         gen = Generator(model_dir, device=device, threads=threads, verify=not no_verify)
         # the CLI always passes the mode: the folder's generation_config decides it unless a flag does
         sample = do_sample if do_sample is not None else gen.sampling_params().do_sample
-        knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        _note_ignored_knobs(sample, knobs)
+        _note_ignored_knobs(sample, dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
         kwargs = dict(
             max_new_tokens=max_new_tokens,
             min_new_tokens=min_new_tokens,
@@ -332,8 +330,9 @@ def _print_result(text: str, result) -> None:
 
 
 def _print_json_results(texts: list[str], results: list) -> None:
+    """One object for one prompt, else {"results": [...]} (shorter when Ctrl-C stopped a --sequential run)."""
     objs = [{"prompt": t, **r.to_json()} for t, r in zip(texts, results)]
-    print_json(objs[0] if len(objs) == 1 else {"results": objs})
+    print_json(objs[0] if len(texts) == 1 else {"results": objs})
 
 
 @main.command()

@@ -225,6 +225,7 @@ def test_given_lengths_that_do_not_fit_are_a_clear_error(tiny_export, args, phra
         ["--prompt-len", "0"],
         ["--new-tokens", "1"],
     ],
+    ids=" ".join,
 )
 def test_out_of_range_options_are_refused_by_click(tiny_export, args):
     r = bench(tiny_export, *args)

@@ -194,6 +194,7 @@ def raise_after(fn, n: int):
         ("batch", "model"),
         ("json", "model"),
         ("sequential", "model"),
+        ("sequential-json", "model"),
     ],
 )
 def test_ctrl_c_exits_130_and_says_interrupted(tiny_export, monkeypatch, mode, where):
@@ -206,6 +207,7 @@ def test_ctrl_c_exits_130_and_says_interrupted(tiny_export, monkeypatch, mode, w
         "batch": ("-p", "The river", "-p", "Visitors", "--no-stream"),
         "json": ("-p", "The river", "--json"),
         "sequential": ("-p", "The river", "-p", "Visitors", "--sequential"),
+        "sequential-json": ("-p", "The river", "-p", "Visitors", "--sequential", "--json"),
     }[mode]
     r = gen(tiny_export, *args, "-n", "20", "--ignore-eos")
     assert r.exit_code == 130, r.output
@@ -213,9 +215,11 @@ def test_ctrl_c_exits_130_and_says_interrupted(tiny_export, monkeypatch, mode, w
     assert r.stderr.splitlines()[-1] == "[interrupted]"
     if mode == "json":
         assert json.loads(r.stdout)["finish_reason"] == "interrupted"  # stdout is still pure JSON
+    elif mode == "sequential-json":  # two prompts: the batch shape, holding the one that was interrupted
+        assert [x["finish_reason"] for x in json.loads(r.stdout)["results"]] == ["interrupted"]
     else:
         assert r.stdout.startswith("The river") and r.stdout.endswith("\n")
-    if mode == "sequential":
+    if mode.startswith("sequential"):
         assert "Visitors" not in r.stdout  # stopped: the next prompt is not started
 
 
@@ -268,6 +272,7 @@ def test_text_that_is_not_utf8_is_a_clear_error(tiny_export, tmp_path, args, std
         ("--temperature", "-0.5"),
         ("--top-k", "-1"),
     ],
+    ids=" ".join,
 )
 def test_out_of_range_options_are_refused_by_click(tiny_export, args):
     r = gen(tiny_export, "-p", "x", *args)
