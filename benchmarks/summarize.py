@@ -7,6 +7,11 @@ import sys
 from pathlib import Path
 
 
+def fmt(value: float | None) -> str:
+    """A bench figure, or n/a where bench recorded null (the bandwidth floor does not apply: all in cache)."""
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def main(out: Path) -> None:
     print(
         "| precision | file MB | bytes/step MB | prefill 128 ms (x FLOP floor) | decode ms/token med / p90 "
@@ -22,8 +27,8 @@ def main(out: Path) -> None:
             f"| {mode} | {r['model_bytes'] / 1e6:.1f} | {r['bytes_read_per_step'] / 1e6:.1f} "
             f"| {r['prefill_ms']:.0f} ({r['prefill_vs_floor']:.2f}x) "
             f"| {r['decode_ms_per_token']:.2f} / {r['decode_ms_p90']:.2f} "
-            f"| {r['decode_floor_ms']:.2f} ({r['machine_read_bandwidth_gbs']:.1f}) | {r['decode_vs_floor']:.2f} "
-            f"({r['decode_vs_floor_best_run']:.2f}) "
+            f"| {fmt(r['decode_floor_ms'])} ({r['machine_read_bandwidth_gbs']:.1f}) | {fmt(r['decode_vs_floor'])} "
+            f"({fmt(r['decode_vs_floor_best_run'])}) "
             f"| {r['sampler_ms_per_token']:.3f} | {r['tokens_per_s']:.1f} |"
         )
         if "torch" in r:

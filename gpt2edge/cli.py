@@ -17,6 +17,7 @@ from gpt2edge.errors import Gpt2EdgeError
 from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, SUPPORTED_OPSETS
 from gpt2edge.extras import require_extra
 from gpt2edge.manifest import HEAD_MODES, KV_CACHE_MODES
+from gpt2edge.prompt_input import FORMATS
 from gpt2edge.quantize.handler import ACCURACY_LEVELS, HEAD_BITS, MODES
 from gpt2edge.quantize.primitives import BLOCK_SIZES
 
@@ -133,40 +134,142 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
     click.echo(f"wrote random-weight GPT-2 ({size}) checkpoint to {out}")
 
 
+def _cfg_default(value: object) -> str:
+    return f"[default: the model's generation_config.json, else {value}]"
+
+
+THREADS = click.IntRange(1, 1024)  # ONNX Runtime would try to start any number of threads
+SEEDS = click.IntRange(0, 2**63 - 1)
+
+
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("-p", "--prompt", "prompts", multiple=True, help="Prompt text; repeat for a left-padded batch.")
-@click.option("-n", "--max-new-tokens", type=int, default=None, help="Tokens to generate [default: 32].")
-@click.option("--min-new-tokens", type=int, default=None, help="Suppress EOS until this many tokens.")
-@click.option("--temperature", type=float, default=None, help="Sampling temperature; 0 = greedy.")
-@click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens (0 = off) [default: 50].")
-@click.option("--top-p", type=float, default=None, help="Nucleus sampling mass in (0, 1] [default: 1.0].")
-@click.option("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats [default: 1.0].")
-@click.option("--greedy", is_flag=True, help="Greedy decoding even if the model's defaults sample.")
-@click.option("--seed", type=int, default=None, help="Seed of the sampler (same seed, same tokens).")
+@click.option(
+    "-p",
+    "--prompt",
+    "prompts",
+    multiple=True,
+    help="Prompt text; repeat for a batch. '-' reads one prompt from stdin (one trailing newline dropped).",
+)
+@click.option(
+    "-f",
+    "--prompt-file",
+    "prompt_files",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+    help="Prompts from a UTF-8 file ('-': stdin), see --format; repeatable, after the -p prompts.",
+)
+@click.option(
+    "--format",
+    "file_format",
+    type=click.Choice(FORMATS),
+    default="auto",
+    show_default=True,
+    help='-f files. lines: one prompt per non-blank line. jsonl: one JSON object per non-blank line, its "prompt" '
+    "string. auto: jsonl when every non-blank line is such an object, else lines.",
+)
+@click.option(
+    "--sequential", is_flag=True, help="Generate the prompts one after another (each streamed), not as one batch."
+)
+@click.option(
+    "-n",
+    "--max-new-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tokens to generate " + _cfg_default(32) + ".",
+)
+@click.option(
+    "--min-new-tokens",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Suppress EOS until this many tokens " + _cfg_default(0) + ".",
+)
+@click.option(
+    "--do-sample/--greedy",
+    default=None,
+    help="Sample the next token, or take the most likely one " + _cfg_default("greedy") + ". "
+    "--temperature, --top-k, --top-p and --seed only act when sampling; given without it, a notice on stderr "
+    "says they are ignored.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Sampling temperature; 0 = greedy " + _cfg_default(1.0) + ".",
+)
+@click.option(
+    "--top-k",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Sample among the k most likely tokens; 0 = all " + _cfg_default(50) + ".",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=None,
+    help="Sample in the smallest set of tokens holding this probability mass, in (0, 1] " + _cfg_default(1.0) + ".",
+)
+@click.option(
+    "--repetition-penalty",
+    type=float,
+    default=None,
+    help="> 1 discourages repeats, greedy or sampling " + _cfg_default(1.0) + ".",
+)
+@click.option(
+    "--min-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=None,
+    help="Sample among tokens at least this fraction of the best one's probability " + _cfg_default("off") + ".",
+)
+@click.option(
+    "--typical-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=None,
+    help="Locally typical sampling mass in (0, 1] " + _cfg_default(1.0) + ".",
+)
+@click.option(
+    "--no-repeat-ngram-size",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Never repeat an n-gram of this size, greedy or sampling; 0 = off " + _cfg_default(0) + ".",
+)
+@click.option("--ban", multiple=True, help="Never generate this text (repeatable; also with a leading space).")
+@click.option("--seed", type=SEEDS, default=None, help="Seed of the sampler: same seed, same tokens [default: random].")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); not included in the output.")
 @click.option("--ignore-eos", is_flag=True, help="Keep going past the end-of-text token.")
 @click.option("--truncate", is_flag=True, help="Keep the end of a prompt that does not fit instead of failing.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--threads", type=int, default=None, help="Intra-op threads (default: ONNX Runtime's choice).")
+@click.option(
+    "--threads", type=THREADS, default=None, help="Intra-op threads, 1..1024 [default: ONNX Runtime's choice]."
+)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
 @click.option("--no-stream", is_flag=True, help="Print the text once it is complete.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (implies --no-stream).")
 @click.option(
-    "--logprobs", type=int, default=None, help="With --json: each token's log-prob and the N most likely (0 = none)."
+    "--logprobs",
+    type=int,
+    default=None,
+    help="With --json: each token's log-prob and the N most likely (0 = the chosen token only).",
 )
 @click.option("-i", "--interactive", is_flag=True, help="Each line of stdin extends the context; /reset, /quit.")
 @friendly_errors
 def generate(
     model_dir,
     prompts,
+    prompt_files,
+    file_format,
+    sequential,
     max_new_tokens,
     min_new_tokens,
+    do_sample,
     temperature,
     top_k,
     top_p,
     repetition_penalty,
-    greedy,
+    min_p,
+    typical_p,
+    no_repeat_ngram_size,
+    ban,
     seed,
     stop,
     ignore_eos,
@@ -179,51 +282,123 @@ def generate(
     logprobs,
     interactive,
 ) -> None:
-    """Generate text from the export folder MODEL_DIR (no PyTorch needed)."""
+    """Generate text from the export folder MODEL_DIR (no PyTorch needed).
+
+    One prompt streams; several run as one left-padded batch (--sequential: one after another). Ctrl-C stops,
+    prints what was generated, says [interrupted] on stderr and exits with status 130.
+    """
+    from gpt2edge.prompt_input import collect_prompts
     from gpt2edge.runtime import Generator
 
-    _check_generate_modes(prompts, as_json, no_stream, logprobs, interactive, truncate)
-    gen = Generator(model_dir, device=device, threads=threads, verify=not no_verify)
-    kwargs = dict(
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=min_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        repetition_penalty=repetition_penalty,
-        do_sample=False if greedy else None,
-        seed=seed,
-        stop=stop,
-        ignore_eos=ignore_eos,
-        truncate=truncate,
-    )
-    if interactive:
-        from gpt2edge.interactive import run_interactive
+    _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, interactive, truncate, sequential)
+    try:
+        # prompts are read and checked before the model is loaded
+        read_stdin = lambda: sys.stdin.buffer.read()  # noqa: E731
+        # -i without -p starts from an empty context (its turns come from stdin)
+        texts = [] if interactive and not prompts else collect_prompts(prompts, prompt_files, file_format, read_stdin)
+        gen = Generator(model_dir, device=device, threads=threads, verify=not no_verify)
+        # the CLI always passes the mode: the folder's generation_config decides it unless a flag does
+        sample = do_sample if do_sample is not None else gen.sampling_params().do_sample
+        knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, seed=seed)
+        _note_ignored_knobs(sample, knobs)
+        kwargs = dict(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            min_p=min_p,
+            typical_p=typical_p,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            ban=ban,
+            do_sample=sample,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+            truncate=truncate,
+        )
+        if interactive:
+            from gpt2edge.interactive import run_interactive
 
-        del kwargs["truncate"]  # a session drops its oldest tokens instead
-        sys.exit(run_interactive(gen, prompts[0] if prompts else None, kwargs))
-    if len(prompts) == 1 and not (no_stream or as_json):
-        results: list = []
-        pieces = gen.stream(prompts[0], result=results, **kwargs)  # raises on bad parameters, before output
-        click.echo(prompts[0], nl=False)
-        try:
-            for piece in pieces:
-                click.echo(piece, nl=False)
-        except KeyboardInterrupt:
-            click.echo("\n[interrupted]", err=True)
-            return
-        click.echo()
-        _print_timings(results[0].timings, len(results[0].token_ids))
-        return
-    results = gen.generate(list(prompts), logprobs=logprobs, **kwargs)
+            del kwargs["truncate"]  # a session drops its oldest tokens instead
+            sys.exit(run_interactive(gen, texts[0] if texts else None, kwargs))
+        # every prompt must fit before the first one is generated (--sequential would otherwise fail midway)
+        params = gen.sampling_params(**{k: v for k, v in kwargs.items() if k != "truncate"})
+        kwargs["logprobs"] = logprobs
+        for text in texts:
+            gen.encode_prompt(text, params.max_new_tokens, truncate)
+        stream = not (no_stream or as_json)
+        if sequential or len(texts) == 1:
+            interrupted = _generate_each(gen, texts, kwargs, stream, as_json)
+        else:
+            interrupted = _generate_batch(gen, texts, kwargs, as_json)
+    except KeyboardInterrupt:
+        interrupted = True
+    if interrupted:
+        click.echo("[interrupted]", err=True)
+        sys.exit(130)  # the shell's code for SIGINT: scripts can tell an interrupted run from a finished one
+
+
+def _note_ignored_knobs(sample: bool, knobs: dict) -> None:
+    """Sampling options given while sampling is off: one line on stderr instead of silently switching modes."""
+    given = [f"--{k.replace('_', '-')}" for k, v in knobs.items() if v is not None]
+    if given and not sample:
+        verb = "has" if len(given) == 1 else "have"
+        click.echo(f"note: sampling is off (greedy): {', '.join(given)} {verb} no effect; add --do-sample.", err=True)
+
+
+def _generate_each(gen, texts: list[str], kwargs: dict, stream: bool, as_json: bool) -> bool:
+    """Each prompt on its own, streamed or printed; returns whether Ctrl-C stopped it."""
+    results = []
+    for text in texts:
+        result = _stream_one(gen, text, kwargs) if stream else gen.generate(text, **kwargs)
+        results.append(result)
+        if not as_json and not stream:
+            _print_result(text, result)
+        if not as_json:
+            _print_timings(result.timings, len(result.token_ids))
+        if result.finish_reason == "interrupted":
+            break
     if as_json:
-        objs = [{"prompt": p, **r.to_json()} for p, r in zip(prompts, results)]
-        print_json(objs[0] if len(objs) == 1 else {"results": objs})
-        return
-    for p, r in zip(prompts, results):
-        click.echo(p + r.text)
-        click.echo(f"[finish: {r.finish_reason}]", err=True)
-    _print_timings(results[0].timings, sum(len(r.token_ids) for r in results))
+        _print_json_results(texts, results)
+    return any(r.finish_reason == "interrupted" for r in results)
+
+
+def _stream_one(gen, text: str, kwargs: dict):
+    """Print the prompt, then the generated text as it is decoded; returns the GenerationResult."""
+    results: list = []
+    pieces = gen.stream(text, result=results, **kwargs)  # raises on bad parameters, before output
+    click.echo(text, nl=False)
+    try:
+        for piece in pieces:
+            click.echo(piece, nl=False)
+    finally:
+        click.echo()  # end the line, also when Ctrl-C cut the stream
+    return results[0]
+
+
+def _generate_batch(gen, texts: list[str], kwargs: dict, as_json: bool) -> bool:
+    """All prompts as one left-padded batch; returns whether Ctrl-C stopped it."""
+    results = gen.generate(texts, **kwargs)
+    if as_json:
+        _print_json_results(texts, results)
+    else:
+        for text, r in zip(texts, results):
+            _print_result(text, r)
+        _print_timings(results[0].timings, sum(len(r.token_ids) for r in results))
+    return any(r.finish_reason == "interrupted" for r in results)
+
+
+def _print_result(text: str, result) -> None:
+    click.echo(text + result.text)
+    click.echo(f"[finish: {result.finish_reason}]", err=True)
+
+
+def _print_json_results(texts: list[str], results: list) -> None:
+    """One object for one prompt, else {"results": [...]} (shorter when Ctrl-C stopped a --sequential run)."""
+    objs = [{"prompt": t, **r.to_json()} for t, r in zip(texts, results)]
+    print_json(objs[0] if len(texts) == 1 else {"results": objs})
 
 
 @main.command()
@@ -351,12 +526,26 @@ def parity(
 
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--prompt-len", type=int, default=128, show_default=True)
-@click.option("--new-tokens", type=int, default=128, show_default=True)
-@click.option("--batch", type=int, default=1, show_default=True)
-@click.option("--threads", type=int, default=None, help="Intra-op threads [default: ONNX Runtime's choice].")
+@click.option(
+    "--prompt-len",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Prompt tokens [default: 128; on a model with fewer than 256 positions, half of them].",
+)
+@click.option(
+    "--new-tokens",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Generated tokens [default: 128, or the positions the prompt leaves]. Values you give must fit.",
+)
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--threads", type=THREADS, default=None, help="Intra-op threads, 1..1024 [default: ONNX Runtime's choice]."
+)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--repeat", type=int, default=5, show_default=True, help="Timed runs after one warm-up.")
+@click.option(
+    "--repeat", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs after one warm-up."
+)
 @click.option("--sweep", is_flag=True, help="Also measure decode ms/token at contexts 32 ... n_positions.")
 @click.option(
     "--plot",
@@ -371,7 +560,11 @@ def parity(
 def bench(
     model_dir, prompt_len, new_tokens, batch, threads, device, repeat, sweep, plot, vs_torch, source, as_json
 ) -> None:
-    """Prefill / decode latency of MODEL_DIR, its bandwidth and FLOP floors, measured in one run."""
+    """Prefill / decode latency of MODEL_DIR, its bandwidth and FLOP floors, measured in one run.
+
+    decode ms/token is the median over every decode step of the timed runs (--json: decode_ms_per_token and
+    decode_ms_per_token_median; decode_ms_per_token_mean is the mean `generate` reports).
+    """
     from gpt2edge.bench.bench import (
         BenchConfig,
         bench_prompts,
@@ -387,14 +580,20 @@ def bench(
         if not sweep:
             raise click.UsageError("--plot needs --sweep.")
         check_plotting()
+    if vs_torch:
+        require_extra("export", "bench --vs-torch")  # before the ONNX Runtime runs, not after
     record = run_bench(model_dir, cfg)
     if vs_torch:
         from gpt2edge.bench.torch_baseline import torch_bench
         from gpt2edge.manifest import read_manifest
 
         recorded = read_manifest(model_dir)["source"]
-        prompts = bench_prompts(cfg, record["vocab_size"])
-        t = torch_bench(source or recorded.get("path") or recorded["model"], prompts, new_tokens, repeat, threads)
+        fitted = BenchConfig(**record["config"])  # the lengths run_bench measured (defaults fitted to the model)
+        prompts = bench_prompts(fitted, record["vocab_size"])
+        t = torch_bench(
+            source or recorded.get("path") or recorded["model"], prompts, fitted.new_tokens, repeat, threads
+        )
+        t["decode_ms_per_token_median"] = t["decode_ms_per_token"]  # torch_bench reports the median too
         t["prefill_speedup"] = t["prefill_ms"] / record["prefill_ms"]
         t["decode_speedup"] = t["decode_ms_per_token"] / record["decode_ms_per_token"]
         record["torch"] = t
@@ -409,7 +608,7 @@ def bench(
     for k, v in bench_rows(record):
         click.echo(f"{k:<32} {v}")
     for row in record.get("sweep", []):
-        click.echo(f"{'context ' + str(row['context']):<32} {row['decode_ms_per_token']:.2f} ms/token")
+        click.echo(f"{'context ' + str(row['context']):<32} {row['decode_ms_per_token']:.2f} ms/token (median)")
 
 
 @main.command()
@@ -479,12 +678,16 @@ def convert(model_dir, out, fmt, force, as_json) -> None:
         click.echo(f"wrote {out} ({fmt}, {manifest['graph']['file']}, {size / 1e6:.1f} MB)")
 
 
-def _check_generate_modes(prompts, as_json, no_stream, logprobs, interactive, truncate) -> None:
+def _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, interactive, truncate, sequential):
     """Option combinations generate refuses, before the model is loaded."""
-    if interactive and (len(prompts) > 1 or as_json or no_stream or logprobs is not None or truncate):
-        raise click.UsageError("-i takes at most one -p and no --json, --no-stream, --logprobs or --truncate.")
-    if not prompts and not interactive:
-        raise click.UsageError("Missing option '-p' / '--prompt' (or pass -i for an interactive session).")
+    if interactive and (
+        len(prompts) > 1 or prompt_files or as_json or no_stream or logprobs is not None or truncate or sequential
+    ):
+        raise click.UsageError(
+            "-i takes at most one -p and no -f, --json, --no-stream, --logprobs, --truncate or --sequential."
+        )
+    if interactive and prompts == ("-",):
+        raise click.UsageError("-i reads its turns from stdin; give the first prompt as text, not '-'.")
     if logprobs is not None and not as_json:
         raise click.UsageError("--logprobs needs --json (the log-probs are part of the JSON output).")
 

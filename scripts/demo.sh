@@ -13,7 +13,7 @@ gpt2edge random-checkpoint "$out/checkpoint" --size mini --force
 gpt2edge export -m "$out/checkpoint" "$out/fp32" --force
 gpt2edge quantize "$out/fp32" -o "$out/int8" --mode int8 --force
 echo "--- generating (random weights: expect gibberish) ---"
-gpt2edge generate "$out/fp32" -p "The weather today" -n 48 --temperature 0.8 --top-p 0.9 --seed 7
-gpt2edge generate "$out/int8" -p "The weather today" -n 48 --temperature 0.8 --top-p 0.9 --seed 7
+gpt2edge generate "$out/fp32" -p "The weather today" -n 48 --do-sample --temperature 0.8 --top-p 0.9 --seed 7
+gpt2edge generate "$out/int8" -p "The weather today" -n 48 --do-sample --temperature 0.8 --top-p 0.9 --seed 7
 echo "--- bench (fp32) ---"
 gpt2edge bench "$out/fp32" --prompt-len 128 --new-tokens 64 --repeat 3

@@ -1,13 +1,16 @@
 """Short machine probes measured in the same run as a benchmark: memory read bandwidth and matmul GFLOP/s.
 
-Decode of one token must read every weight once, so its floor is bytes / read bandwidth; prefill is
-compute-bound, so its floor is FLOPs / matmul throughput. NumPy only: this runs on the device.
+Decode of one token must read every weight once, so its floor is bytes / read bandwidth (unless those bytes
+fit in the last-level cache, whose size is read here too); prefill is compute-bound, so its floor is FLOPs /
+matmul throughput. NumPy only: this runs on the device.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -44,3 +47,36 @@ def matmul_gflops(m: int = 128, k: int = 768, n: int = 3072, repeat: int = 10) -
         a @ b
         best = min(best, time.perf_counter() - t0)
     return 2 * m * k * n / best / 1e9
+
+
+CPU0_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_cache_size(text: str) -> int:
+    """sysfs cache size ('32768K', '8M', '512') -> bytes; ValueError when it is none of these."""
+    t = text.strip().upper()
+    if t[-1:] in _SIZE_UNITS:
+        return int(t[:-1]) * _SIZE_UNITS[t[-1]]
+    return int(t)
+
+
+def last_level_cache_bytes(caches: Path = CPU0_CACHES) -> int | None:
+    """Bytes of cpu0's highest-level data or unified cache: sysfs (Linux), else sysconf; None when unknown."""
+    best: tuple[int, int] | None = None  # (level, bytes)
+    for index in sorted(caches.glob("index*")):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level, size = int((index / "level").read_text()), parse_cache_size((index / "size").read_text())
+        except (OSError, ValueError):
+            continue  # a missing or odd entry: use the others
+        if size > 0 and (best is None or level > best[0]):
+            best = (level, size)
+    if best is not None:
+        return best[1]
+    try:  # glibc's sysconf (0 or -1 when it does not know)
+        size = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return size if size > 0 else None

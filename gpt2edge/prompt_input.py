@@ -1,0 +1,101 @@
+"""Prompts for `gpt2edge generate`: from -p values, stdin and prompt files, checked as UTF-8 before any work.
+
+File formats, chosen by an explicit rule (never by the file's name):
+- lines: one prompt per line; blank lines are skipped; the line is the prompt, without its line ending.
+- jsonl: one JSON object per non-blank line, its "prompt" field (a string) is the prompt (for prompts that
+  hold newlines).
+- auto (default): jsonl when EVERY non-blank line is a JSON object with a string "prompt" field, else lines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from gpt2edge.errors import GenerationError
+
+STDIN = "-"
+FORMATS = ("auto", "lines", "jsonl")
+
+
+def check_utf8(text: str, where: str) -> str:
+    """Refuse text that cannot be encoded as UTF-8: undecodable argv bytes (which Python on Linux passes as
+    surrogate escapes U+DC80..U+DCFF) or lone surrogates (e.g. a JSON "\\ud800" escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise GenerationError(f"{where} is not valid UTF-8 ({what} at character {e.start}); pass UTF-8 text.") from None
+    return text
+
+
+def decode_utf8(data: bytes, where: str) -> str:
+    """Bytes of a prompt file or stdin -> text; a UTF-8 byte-order mark is dropped, other bad bytes refused."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise GenerationError(
+            f"{where} is not valid UTF-8 (byte 0x{data[e.start]:02x} on line {line}); save it as UTF-8."
+        ) from None
+
+
+def _json_prompt(line: str) -> str | None:
+    """The "prompt" string of a JSON-object line, else None."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    prompt = obj.get("prompt") if isinstance(obj, dict) else None
+    return prompt if isinstance(prompt, str) else None
+
+
+def parse_prompts(text: str, fmt: str, where: str) -> list[str]:
+    """The prompts of one file's text in format `fmt` (see the module docstring)."""
+    if fmt not in FORMATS:
+        raise GenerationError(f"Unknown prompt file format '{fmt}'; choose one of {', '.join(FORMATS)}.")
+    # split on \n only: str.splitlines would also split on form feeds and U+2028 inside a prompt
+    lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1)]
+    lines = [(n, line) for n, line in lines if line.strip()]
+    if not lines:
+        raise GenerationError(f"{where} holds no prompts (blank lines are skipped).")
+    if fmt == "auto":
+        fmt = "jsonl" if all(_json_prompt(line) is not None for _, line in lines) else "lines"
+    if fmt == "lines":
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        prompt = _json_prompt(line)
+        if prompt is None:
+            raise GenerationError(f'{where} line {n} is not a JSON object with a string "prompt" field (jsonl).')
+        prompts.append(check_utf8(prompt, f"{where} line {n}"))
+    return prompts
+
+
+def collect_prompts(
+    values: Sequence[str], files: Sequence[str | Path], fmt: str, read_stdin: Callable[[], bytes]
+) -> list[str]:
+    """-p values (`-` = all of stdin as one prompt, one trailing newline dropped), then each -f file's prompts
+    (`-` = stdin as a prompt file), in the order given. Raises before anything is loaded."""
+    if sum(v == STDIN for v in values) + sum(str(f) == STDIN for f in files) > 1:
+        raise GenerationError("stdin can be read once: give '-' to one -p or -f only.")
+    prompts = []
+    for v in values:
+        if v != STDIN:
+            prompts.append(check_utf8(v, "The -p prompt"))
+            continue
+        text = decode_utf8(read_stdin(), "stdin")
+        text = text.removesuffix("\n").removesuffix("\r")  # `echo text |` adds a newline the user did not type
+        if not text:
+            raise GenerationError("-p - read an empty stdin; pipe the prompt in (echo 'text' | gpt2edge ...).")
+        prompts.append(text)
+    for f in files:
+        if str(f) == STDIN:
+            prompts += parse_prompts(decode_utf8(read_stdin(), "stdin"), fmt, "stdin")
+        else:
+            prompts += parse_prompts(decode_utf8(Path(f).read_bytes(), str(f)), fmt, str(f))
+    if not prompts:
+        raise GenerationError("No prompt given: pass -p TEXT (repeatable), -p - (stdin) or -f FILE.")
+    return prompts
