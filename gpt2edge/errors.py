@@ -42,3 +42,7 @@ class DeviceError(Gpt2EdgeError):
 
 class QuantizeError(Gpt2EdgeError):
     """An unsupported or pointless quantization request."""
+
+
+class TrimError(Gpt2EdgeError):
+    """A vocabulary-trimming request that cannot be honoured: a bad keep-list, corpus or folder."""

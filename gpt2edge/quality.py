@@ -96,7 +96,12 @@ def compare_folders(
         from gpt2edge.errors import ModelFolderError
 
         raise ModelFolderError(f"{a} and {b} have different vocabularies ({lp_a.shape[1]} vs {lp_b.shape[1]}).")
-    report = compare(lp_a, lp_b, tokens, greedy_a, greedy_b)
+    if fa.info.vocab is not None or fb.info.vocab is not None:  # a trimmed head: compared on its kept ids
+        from gpt2edge.trim.report import compare_trimmed
+
+        report = compare_trimmed(lp_a, lp_b, tokens, greedy_a, greedy_b, fa.kept_ids(), fb.kept_ids())
+    else:
+        report = compare(lp_a, lp_b, tokens, greedy_a, greedy_b)
     report.update(
         reference=str(a),
         variant=str(b),
@@ -146,3 +151,7 @@ def print_report(report: dict[str, Any], title: str = "quality", file=sys.stderr
     print(f"{title}:", file=file)
     for k, v in rows:
         print(f"  {k:<26} {v}", file=file)
+    if "trim_kl" in report:  # a vocabulary-trimmed variant (gpt2edge.trim.report)
+        from gpt2edge.trim.report import print_trim_rows
+
+        print_trim_rows(report, file=file)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from gpt2edge.errors import DeviceError
+from gpt2edge.errors import DeviceError, ModelFolderError
 from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.session import ORT_DEVICE, create_session
@@ -30,6 +30,7 @@ class OrtLM:
         d = folder.dims
         self.n_layer, self.n_head, self.head_dim = d["n_layer"], d["n_head"], d["head_dim"]
         self.vocab_size, self.n_positions = d["vocab_size"], d["n_positions"]
+        self.kept_ids = self._kept_ids()  # a vocabulary-trimmed head's K columns, as full ids (else None)
         names = [i.name for i in self.session.get_inputs()]
         self.past_names = names[3:]
         self.present_names = [o.name for o in self.session.get_outputs()][1:]
@@ -54,7 +55,7 @@ class OrtLM:
             if self._mask.size < batch * length:
                 self._mask = np.empty(batch * length, dtype=np.int64)
             if self.folder.head == "last":
-                shape = (batch, self.vocab_size)
+                shape = (batch, self.vocab_size if self.kept_ids is None else len(self.kept_ids))
                 if self.device == "cpu":
                     self._logprobs = np.empty(shape, dtype=np.float32)
                 else:
@@ -63,8 +64,9 @@ class OrtLM:
             empty = np.zeros((batch, self.n_head, 0, self.head_dim), dtype=self.kv_dtype)
             self._presents = [empty] * len(self.past_names)
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """(B, S) ids, (B, past+S) mask, (B, S) positions -> (B, V) float32 log-probs of the next token."""
+    def _forward_graph(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """(B, S) ids, (B, past+S) mask, (B, S) positions -> (B, V) float32 log-probs of the next token ((B, K)
+        for a trimmed head)."""
         S = input_ids.shape[1]
         if not self.io_binding:
             feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
@@ -123,3 +125,29 @@ class OrtLM:
     def present_pointers(self) -> list[int]:
         """Where ORT actually wrote the last step's presents (IO binding only)."""
         return [o.data_ptr() for o in self.binding.get_outputs()[1:]]
+
+    # --- vocabulary-trimmed heads (gpt2edge trim-vocab): the graph scores K kept ids -----------------------------
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """(B, S) ids, (B, past+S) mask, (B, S) positions -> (B, V) float32 log-probs of the next token over the
+        full vocabulary; a trimmed head's dropped ids get -inf, so samplers and results keep full token ids."""
+        lp = self._forward_graph(input_ids, attention_mask, position_ids)
+        return lp if self.kept_ids is None else self.to_full_vocab(lp)
+
+    def to_full_vocab(self, lp: np.ndarray) -> np.ndarray:
+        """(B, K) log-probs of the kept ids -> a new (B, V) array, -inf elsewhere (cheap next to a step)."""
+        full = np.full((lp.shape[0], self.vocab_size), -np.inf, dtype=np.float32)
+        full[:, self.kept_ids] = lp
+        return full
+
+    def _kept_ids(self) -> np.ndarray | None:
+        """The folder's kept ids, checked against the width of the graph's log-probs output."""
+        kept = self.folder.kept_ids()
+        want = self.vocab_size if kept is None else len(kept)
+        width = self.session.get_outputs()[0].shape[-1]
+        if isinstance(width, int) and width != want:
+            raise ModelFolderError(
+                f"{self.folder.path}: the graph scores {width} tokens but its manifest describes {want}; "
+                "export or trim the model again."
+            )
+        return kept
