@@ -93,7 +93,10 @@ def print_trim_rows(report: dict[str, Any], file=sys.stderr) -> None:
         ("compared on", f"{report['kept']} kept ids (reference renormalised over them)"),
         ("kept mass mean / min", f"{report['kept_mass_mean']:.4f} / {report['kept_mass_min']:.4f}"),
         ("KL(trimmed || full)", f"{report['trim_kl']:.3e} nats (the cost of dropping tokens)"),
-        ("next tokens kept", f"{report['coverage'] * 100:.1f} % ({report['uncovered_tokens']} not kept)"),
+        (
+            "next tokens kept",
+            f"{report['coverage'] * 100:.1f} % ({report['uncovered_tokens']} not kept; perplexities over the kept)",
+        ),
     ]
     for k, v in rows:
         print(f"  {k:<26} {v}", file=file)
