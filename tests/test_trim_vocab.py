@@ -16,7 +16,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
 from gpt2edge.cli import main
 from gpt2edge.errors import ModelFolderError, TrimError
-from gpt2edge.manifest import read_manifest, write_manifest
+from gpt2edge.manifest import Manifest, read_manifest, write_manifest
 from gpt2edge.quality import compare_folders, stream_logprobs
 from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.runtime import Generator, ModelFolder
@@ -189,6 +189,23 @@ def test_manifest_lists_and_verifies_the_kept_ids(trimmed_fp32, tmp_path):
     (bad / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ModelFolderError, match="kept_ids.npy is loaded but not listed"):
         ModelFolder.open(bad, verify=False)
+
+
+@pytest.mark.parametrize(
+    "vocab,phrase",
+    [
+        ({"kept_ids_file": "../kept_ids.npy", "kept": 258, "full": V}, "leaves the folder"),
+        ({"kept_ids_file": "kept_ids.npy", "kept": 258, "full": V - 1}, "but the model has 400"),
+        ({"kept_ids_file": "kept_ids.npy", "kept": V + 1, "full": V}, "keeps 401 of 400"),
+        ({"kept_ids_file": "kept_ids.npy", "kept": True, "full": V}, "vocab.kept must be a positive integer"),
+        ("kept_ids.npy", "'vocab' must describe"),
+    ],
+)
+def test_manifest_vocab_record_is_validated(trimmed_fp32, vocab, phrase):
+    data = dict(read_manifest(trimmed_fp32))
+    data["vocab"] = vocab
+    with pytest.raises(ModelFolderError, match=phrase):
+        Manifest.from_json(data)
 
 
 def test_quality_report_compares_on_kept_ids(tiny_export, trimmed_fp32):
