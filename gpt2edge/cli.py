@@ -692,6 +692,62 @@ def _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, i
         raise click.UsageError("--logprobs needs --json (the log-probs are part of the JSON output).")
 
 
+@main.command("trim-vocab")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True, help="New export folder.")
+@click.option(
+    "--keep-from",
+    "keep_from",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Text file or folder of text files: keep the tokens it uses (repeatable).",
+)
+@click.option("--top", type=int, default=None, help="With --keep-from: keep only the N most frequent of them.")
+@click.option(
+    "--keep-ids",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="File of token ids to keep (.npy, JSON array, or whitespace/comma separated); must include EOS.",
+)
+@click.option(
+    "--text",
+    "text_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="In-domain text for the quality report [default: built-in English text].",
+)
+@click.option("--max-tokens", type=click.IntRange(min=2), default=256, show_default=True, help="Tokens to score.")
+@click.option("--no-report", is_flag=True, help="Skip the quality report.")
+@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the new manifest (with the report) as JSON.")
+@friendly_errors
+def trim_vocab(model_dir, out, keep_from, top, keep_ids, text_file, max_tokens, no_report, force, as_json) -> None:
+    """Write a variant of MODEL_DIR whose head scores only the kept tokens (always EOS and every single byte)."""
+    from gpt2edge.trim.handler import trim_vocab as run_trim
+
+    text = text_file.read_text() if text_file else None
+    manifest = run_trim(
+        model_dir,
+        out,
+        keep_from=keep_from,
+        top=top,
+        keep_ids=keep_ids,
+        force=force,
+        text=text,
+        max_tokens=max_tokens,
+        report=not no_report,
+    )
+    if as_json:
+        print_json(manifest)
+        return
+    t, v = manifest["trim"], manifest["vocab"]
+    before, after = t["decode_weight_bytes_before"], t["decode_weight_bytes_after"]
+    click.echo(
+        f"wrote {out}: keeps {v['kept']} of {v['full']} tokens; a decode step reads {after / 1e6:.1f} MB of weights "
+        f"({before / 1e6:.1f} MB untrimmed); graph {t['size_after'] / 1e6:.1f} MB ({t['size_before'] / 1e6:.1f} MB)"
+    )
+
+
 def _print_timings(t: dict, n_tokens: int) -> None:
     click.echo(
         f"[{n_tokens} tokens | prefill {t['prefill_ms']:.1f} ms | decode {t['decode_ms_per_token_mean']:.2f} ms/token "

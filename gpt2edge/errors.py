@@ -50,3 +50,7 @@ class ConvertError(Gpt2EdgeError):
 
 class MissingExtraError(Gpt2EdgeError):
     """A command needs an optional extra (torch, onnx, ...) that this install does not have."""
+
+
+class TrimError(Gpt2EdgeError):
+    """A vocabulary-trimming request that cannot be honoured: a bad keep-list, corpus or folder."""

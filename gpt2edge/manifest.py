@@ -158,6 +158,34 @@ class GraphInfo:
 
 
 @dataclass(frozen=True)
+class VocabInfo:
+    """A vocabulary-trimmed head (`gpt2edge trim-vocab`): the graph's log-probs cover `kept` of the `full` token
+    ids, listed ascending in `kept_ids_file` (.npy, int64); the runtime maps them back to full ids. Its presence
+    is what marks a folder as trimmed (e.g. to refuse it as a draft for an untrimmed target)."""
+
+    kept_ids_file: str
+    kept: int
+    full: int
+
+    @classmethod
+    def from_json(cls, v: Any, where: str, vocab_size: int) -> VocabInfo | None:
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise ModelFolderError(f"{where}: 'vocab' must describe the kept token ids; trim the model again.")
+        file = check_relpath(v.get("kept_ids_file"), where)
+        kept, full = v.get("kept"), v.get("full")
+        for name, n in (("kept", kept), ("full", full)):
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ModelFolderError(f"{where}: vocab.{name} must be a positive integer, got {n!r}; trim again.")
+        if full != vocab_size or kept > full:
+            raise ModelFolderError(
+                f"{where}: vocab keeps {kept} of {full} ids but the model has {vocab_size}; trim the model again."
+            )
+        return cls(file, kept, full)
+
+
+@dataclass(frozen=True)
 class FileDigest:
     sha256: str
     size: int
@@ -173,6 +201,7 @@ class Manifest:
     tokenizer: str
     files: Mapping[str, FileDigest]
     raw: Mapping[str, Any]
+    vocab: VocabInfo | None = None  # set for a vocabulary-trimmed head
 
     @classmethod
     def from_json(cls, data: Any, where: str = MANIFEST_NAME) -> Manifest:
@@ -201,12 +230,17 @@ class Manifest:
             if rel not in files:
                 raise ModelFolderError(f"{where}: {rel} is loaded but not listed in 'files'; re-export the model.")
         dims = ModelDims.from_json(data.get("dims"), where)
-        return cls(version, dims, graph, tokenizer, MappingProxyType(files), MappingProxyType(data))
+        vocab = VocabInfo.from_json(data.get("vocab"), where, dims.vocab_size)
+        if vocab is not None and vocab.kept_ids_file not in files:
+            raise ModelFolderError(f"{where}: {vocab.kept_ids_file} is loaded but not listed in 'files'; trim again.")
+        return cls(version, dims, graph, tokenizer, MappingProxyType(files), MappingProxyType(data), vocab)
 
     def loaded_files(self) -> tuple[str, ...]:
-        """Every file the runtime opens: the graph files, the tokenizer, the generation config when listed."""
+        """Every file the runtime opens: the graph files, the tokenizer, the kept ids of a trimmed head, the
+        generation config when listed."""
         extra = (GENERATION_CONFIG,) if GENERATION_CONFIG in self.files else ()
-        return (*self.graph.files, self.tokenizer, *extra)
+        kept = (self.vocab.kept_ids_file,) if self.vocab else ()
+        return (*self.graph.files, self.tokenizer, *kept, *extra)
 
     def model_bytes(self) -> int:
         """Bytes of the graph files (the .onnx and its external data)."""

@@ -157,10 +157,16 @@ def compare(
 ) -> dict[str, Any]:
     """The metrics from two (T, V) log-prob matrices over the same stream, and the greedy continuations of
     both sides from each prompt length in `starts` (ref_greedy[i] and var_greedy[i] start at starts[i])."""
+    return {**stream_metrics(ref_lp, var_lp, tokens), **greedy_fields(ref_greedy, var_greedy, starts)}
+
+
+def greedy_fields(
+    ref_greedy: Sequence[list[int]], var_greedy: Sequence[list[int]], starts: Sequence[int]
+) -> dict[str, Any]:
+    """How far the two sides' greedy continuations agree, from each start; the worst start is the headline."""
     matches = [first_divergence(r, v) for r, v in zip(ref_greedy, var_greedy)]
     worst = int(np.argmin(matches))
     return {
-        **stream_metrics(ref_lp, var_lp, tokens),
         "greedy_match": matches[worst],  # the worst start's
         "greedy_tokens": len(ref_greedy[worst]),
         "greedy_match_start": int(starts[worst]),  # tokens of the text before the worst start's first token
@@ -196,7 +202,12 @@ def compare_folders(
     check_comparable(Path(a), Path(b))
     tokens, lp_a, greedy_a, starts, fa = folder_side(Path(a), None, text, max_tokens, device)
     _, lp_b, greedy_b, _, fb = folder_side(Path(b), tokens, text, max_tokens, device)
-    report = compare(lp_a, lp_b, tokens, greedy_a, greedy_b, starts)
+    if fa.info.vocab is not None or fb.info.vocab is not None:  # a trimmed head: compared on its kept ids
+        from gpt2edge.trim.report import compare_trimmed
+
+        report = compare_trimmed(lp_a, lp_b, tokens, greedy_a, greedy_b, fa.kept_ids(), fb.kept_ids(), starts)
+    else:
+        report = compare(lp_a, lp_b, tokens, greedy_a, greedy_b, starts)
     report.update(
         reference=str(a),
         variant=variant_name or str(b),
@@ -249,3 +260,7 @@ def print_report(report: dict[str, Any], title: str = "quality", file=sys.stdout
     print(f"{title}:", file=file)
     for k, v in rows:
         print(f"  {k:<26} {v}", file=file)
+    if "trim_kl" in report:  # a vocabulary-trimmed variant (gpt2edge.trim.report)
+        from gpt2edge.trim.report import print_trim_rows
+
+        print_trim_rows(report, file=file)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 import onnxruntime as ort
 
-from gpt2edge.errors import DeviceError
+from gpt2edge.errors import DeviceError, ModelFolderError
 from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.session import ORT_DEVICE, create_session
@@ -41,9 +41,22 @@ class OrtGraph:
         d = folder.dims
         self.n_layer, self.n_head, self.head_dim = d["n_layer"], d["n_head"], d["head_dim"]
         self.vocab_size, self.n_positions = d["vocab_size"], d["n_positions"]
+        self.kept_ids = self._kept_ids()  # a vocabulary-trimmed head's K columns, as full ids (else None)
         self.past_names = [i.name for i in self.session.get_inputs()][3:]
         self.present_names = [o.name for o in self.session.get_outputs()][1:]
         self.kv_dtype = folder.kv_dtype
+
+    def _kept_ids(self) -> np.ndarray | None:
+        """The folder's kept ids (gpt2edge trim-vocab), checked against the width of the graph's log-probs."""
+        kept = self.folder.kept_ids()
+        want = self.vocab_size if kept is None else len(kept)
+        width = self.session.get_outputs()[0].shape[-1]
+        if isinstance(width, int) and width != want:
+            raise ModelFolderError(
+                f"{self.folder.path}: the graph scores {width} tokens but its manifest describes {want}; "
+                "export or trim the model again."
+            )
+        return kept
 
 
 class OrtLM:
@@ -69,6 +82,7 @@ class OrtLM:
         self.n_layer, self.n_head, self.head_dim = g.n_layer, g.n_head, g.head_dim
         self.vocab_size, self.n_positions, self.kv_dtype = g.vocab_size, g.n_positions, g.kv_dtype
         self.past_names, self.present_names = g.past_names, g.present_names
+        self.kept_ids = g.kept_ids
         self.io_binding = io_binding
         cache_cls = SharedKVCache if self.shared else KVCache
         self.cache = cache_cls(self.n_layer, self.n_head, self.head_dim, self.kv_dtype, ORT_DEVICE[self.device])
@@ -90,7 +104,7 @@ class OrtLM:
             if self._mask.size < batch * length:
                 self._mask = np.empty(batch * length, dtype=np.int64)
             if self.folder.head == "last":
-                shape = (batch, self.vocab_size)
+                shape = (batch, self.vocab_size if self.kept_ids is None else len(self.kept_ids))
                 if self.device == "cpu":
                     self._logprobs = np.empty(shape, dtype=np.float32)
                 else:
@@ -100,7 +114,20 @@ class OrtLM:
             self._presents = [empty] * len(self.past_names)
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """(B, S) ids, (B, past+S) mask, (B, S) positions -> (B, V) float32 log-probs of the next token."""
+        """(B, S) ids, (B, past+S) mask, (B, S) positions -> (B, V) float32 log-probs of the next token over the
+        full vocabulary; a trimmed head's dropped ids get -inf, so samplers and results keep full token ids."""
+        lp = self._forward_graph(input_ids, attention_mask, position_ids)
+        return lp if self.kept_ids is None else self.to_full_vocab(lp)
+
+    def to_full_vocab(self, lp: np.ndarray) -> np.ndarray:
+        """(B, K) log-probs of a trimmed head's kept ids -> a new (B, V) array, -inf elsewhere (cheap next to a
+        step)."""
+        full = np.full((lp.shape[0], self.vocab_size), -np.inf, dtype=np.float32)
+        full[:, self.kept_ids] = lp
+        return full
+
+    def _forward_graph(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """forward() before the trimmed head's mapping: (B, V) log-probs, (B, K) for a trimmed head."""
         B, S = input_ids.shape
         if self.shared and B > 1 and S > 1 and self.past_len > 0:
             return self._forward_rows(input_ids, attention_mask, position_ids)
@@ -140,7 +167,8 @@ class OrtLM:
         row by row: row b's slice of each (B, nh, capacity, hs) cache buffer is itself a contiguous
         (1, nh, capacity, hs) tensor, which the graph reads and writes in place as a batch of one."""
         B, S = input_ids.shape
-        out = np.empty((B, self.vocab_size), dtype=np.float32)
+        width = self.vocab_size if self.kept_ids is None else len(self.kept_ids)  # the graph's log-prob columns
+        out = np.empty((B, width), dtype=np.float32)
         for r in range(B):
             step = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
             feed = {name: np.ascontiguousarray(a[r : r + 1], dtype=np.int64) for name, a in step.items()}

@@ -111,6 +111,23 @@ class ModelFolder:
         """Bytes of the graph files (the .onnx and its external data), as listed in the manifest."""
         return self.info.model_bytes()
 
+    def kept_ids(self) -> np.ndarray | None:
+        """(K,) int64 full-vocabulary ids of a trimmed head's log-prob columns, ascending; None when untrimmed."""
+        v = self.info.vocab
+        if v is None:
+            return None
+        p = resolve_inside(self.path, v.kept_ids_file)
+        try:
+            ids = np.load(p, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise ModelFolderError(f"{p} cannot be read as a .npy array ({e}); trim the model again.") from e
+        ok = ids.dtype == np.int64 and ids.shape == (v.kept,) and ids[0] >= 0 and ids[-1] < v.full
+        if not ok or np.any(np.diff(ids) <= 0):
+            raise ModelFolderError(
+                f"{p} is not the ascending list of {v.kept} kept token ids below {v.full} that the manifest "
+                "describes; trim the model again."
+            )
+        return ids
 
 def _check_graph_format(path: Path, fmt: str) -> None:
     """The runtime runs .onnx and .ort graphs; a genai folder is for onnxruntime-genai (its logits differ)."""

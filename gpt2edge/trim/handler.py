@@ -1,0 +1,157 @@
+"""trim_vocab: an export folder -> a new, atomically written folder whose head scores only the kept tokens.
+
+The handler checks the request before any work, picks the kept ids (keep.py), rewrites the head (graph.py),
+copies the tokenizer and configs, writes the kept ids and the manifest, and measures the quality report
+against the parent (gpt2edge.quality, which compares a trimmed folder on its kept ids: report.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+import gpt2edge
+from gpt2edge.errors import TrimError
+from gpt2edge.folder import atomic_output_dir, check_output_dir, check_sources
+from gpt2edge.manifest import GENERATION_CONFIG, Manifest, load_manifest, resolve_inside, verify_files, write_manifest
+from gpt2edge.onnx_stats import decode_weight_bytes
+from gpt2edge.trim.keep import KeepSet, keep_from_corpus, keep_from_ids
+
+KEPT_IDS_FILE = "kept_ids.npy"
+
+
+def eos_ids(src: Path, info: Manifest) -> tuple[int, ...]:
+    """The end-of-text id(s) generation stops on: generation_config.json's, else config.json's."""
+    for name in (GENERATION_CONFIG, "config.json"):
+        if name not in info.files:
+            continue
+        try:
+            eos = json.loads(resolve_inside(src, name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        eos = eos if isinstance(eos, list) else [eos]
+        if eos and all(type(e) is int and 0 <= e < info.dims.vocab_size for e in eos):
+            return tuple(eos)
+    raise TrimError(f"{src} names no valid eos_token_id (generation_config.json or config.json); re-export it.")
+
+
+def check_request(src: Path, out: Path, keep_from: Sequence[Path], keep_ids: Path | None, top: int | None) -> Manifest:
+    """Every refusal that needs no work, so a bad request fails in a second with one line."""
+    if bool(keep_from) == (keep_ids is not None):
+        raise TrimError("Give either --keep-from CORPUS or --keep-ids FILE (exactly one of them).")
+    if top is not None and keep_ids is not None:
+        raise TrimError("--top picks the corpus's most frequent tokens; it applies to --keep-from only.")
+    info = load_manifest(src)
+    check_sources(out, [src])  # OUT equal to, inside or holding DIR: --force would delete the input
+    if info.vocab is not None:
+        raise TrimError(
+            f"{src} is already vocabulary-trimmed ({info.vocab.kept} of {info.vocab.full} tokens); trim its "
+            f"untrimmed parent ({info.raw.get('trim', {}).get('parent', {}).get('path', '?')}) instead."
+        )
+    if info.graph.head != "last":
+        raise TrimError(
+            f"{src} is a --head all (scoring) export, which needs every token's probability; trim a generation "
+            "export (--head last)."
+        )
+    return info
+
+
+def trim_vocab(
+    src: Path,
+    out: Path,
+    *,
+    keep_from: Sequence[Path] = (),
+    top: int | None = None,
+    keep_ids: Path | None = None,
+    force: bool = False,
+    text: str | None = None,
+    max_tokens: int = 256,
+    report: bool = True,
+    log=sys.stderr,
+) -> dict[str, Any]:
+    """Write the vocabulary-trimmed variant of export folder `src` to `out`; returns the new manifest."""
+    import onnx
+
+    from gpt2edge.quality import compare_folders, print_report
+    from gpt2edge.quantize.graph import save_model
+    from gpt2edge.trim.graph import trim_head
+
+    src, out = Path(src), Path(out)
+    info = check_request(src, out, keep_from, keep_ids, top)
+    check_output_dir(out, force, sources=[src])
+    verify_files(src, info)
+    V = info.dims.vocab_size
+    tokenizer = resolve_inside(src, info.tokenizer)
+    eos = eos_ids(src, info)
+    if keep_ids is not None:
+        keep = keep_from_ids(tokenizer, V, eos, Path(keep_ids))
+    else:
+        keep = keep_from_corpus(tokenizer, V, eos, [Path(p) for p in keep_from], top)
+
+    with tqdm(total=3 if report else 2, desc="trim-vocab", unit="step", file=sys.stderr, leave=False) as bar:
+        trimmed = trim_head(onnx.load(str(resolve_inside(src, info.graph.file))), keep.ids, V)
+        bar.update()
+        with atomic_output_dir(out, force=force, sources=[src]) as tmp:
+            graph_dir = PurePosixPath(info.graph.file).parent  # "." unless the parent keeps its graph in a subfolder
+            (tmp / graph_dir).mkdir(parents=True, exist_ok=True)
+            files = [(graph_dir / f).as_posix() for f in save_model(trimmed, tmp / info.graph.file)]
+            del trimmed
+            for name in info.files:
+                if name not in info.graph.files:  # tokenizer and configs, unchanged
+                    (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(resolve_inside(src, name), tmp / name)
+            np.save(tmp / KEPT_IDS_FILE, keep.ids, allow_pickle=False)
+            bar.update()
+            manifest = write_manifest(tmp, _trimmed_manifest(info, src, keep, files, tmp))
+            if report:
+                # measured on the finished folder, exactly as the runtime will load it
+                bar.set_postfix_str("quality report")
+                manifest["trim"]["quality"] = compare_folders(src, tmp, text=text, max_tokens=max_tokens)
+                bar.update()
+                bar.clear()
+                print_report(manifest["trim"]["quality"], title="trimmed vs full", file=log)
+                manifest = write_manifest(tmp, manifest)
+    return manifest
+
+
+def _trimmed_manifest(info: Manifest, src: Path, keep: KeepSet, files: list[str], tmp: Path) -> dict[str, Any]:
+    """The parent's manifest with the graph's files and output width updated, and the vocab/trim records."""
+    parent = dict(info.raw)
+    K, V = int(keep.ids.size), info.dims.vocab_size
+    graph = dict(parent["graph"])
+    graph.update(files=files, decode_weight_bytes=decode_weight_bytes(tmp / files[0]))
+    graph["outputs"] = [
+        {**t, "shape": [*t["shape"][:-1], K]} if t.get("name") == "logprobs" else t for t in graph.get("outputs", [])
+    ]
+    after = sum((tmp / f).stat().st_size for f in files)
+    # the parent's validation and quality reports describe the parent, not this graph
+    dropped = ("files", "validation", "quality", "format", "format_version")
+    manifest = {k: v for k, v in parent.items() if k not in dropped}
+    manifest.update(
+        gpt2edge_version=gpt2edge.__version__,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        graph=graph,
+        vocab={"kept_ids_file": KEPT_IDS_FILE, "kept": K, "full": V},
+        trim={
+            **keep.to_json(),
+            "input_embedding": "whole",  # prompts embed every id; only the head was trimmed
+            "parent": {
+                "path": str(src.resolve()),
+                "precision": info.graph.precision,
+                "sha256": {f: info.files[f].sha256 for f in info.graph.files},
+            },
+            "decode_weight_bytes_before": info.graph.decode_weight_bytes,
+            "decode_weight_bytes_after": graph["decode_weight_bytes"],
+            "size_before": info.model_bytes(),
+            "size_after": after,
+        },
+    )
+    return manifest
