@@ -128,6 +128,15 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); not included in the output.")
 @click.option("--ignore-eos", is_flag=True, help="Keep going past the end-of-text token.")
 @click.option("--truncate", is_flag=True, help="Keep the end of a prompt that does not fit instead of failing.")
+@click.option("--num-beams", type=int, default=None, help="Beam search with this many beams (1 = off) [default: 1].")
+@click.option("--num-return-sequences", type=int, default=None, help="Sequences per prompt (<= --num-beams).")
+@click.option("--length-penalty", type=float, default=None, help="Beam score = logprob / len**this [default: 1.0].")
+@click.option(
+    "--early-stopping",
+    type=click.Choice(["true", "false", "never"], case_sensitive=False),
+    default=None,
+    help="When beam search stops (transformers' early_stopping) [default: false].",
+)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: ONNX Runtime's choice).")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
@@ -148,6 +157,10 @@ def generate(
     stop,
     ignore_eos,
     truncate,
+    num_beams,
+    num_return_sequences,
+    length_penalty,
+    early_stopping,
     device,
     threads,
     no_verify,
@@ -171,7 +184,14 @@ def generate(
         ignore_eos=ignore_eos,
         truncate=truncate,
     )
-    if len(prompts) == 1 and not (no_stream or as_json):
+    search = dict(  # beam search / several sequences: printed once complete
+        num_beams=num_beams,
+        num_return_sequences=num_return_sequences,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+    )
+    many = any(v is not None for v in search.values())
+    if len(prompts) == 1 and not (no_stream or as_json or many):
         results: list = []
         pieces = gen.stream(prompts[0], result=results, **kwargs)  # raises on bad parameters, before output
         click.echo(prompts[0], nl=False)
@@ -184,15 +204,18 @@ def generate(
         click.echo()
         _print_timings(results[0].timings, len(results[0].token_ids))
         return
-    results = gen.generate(list(prompts), **kwargs)
+    results = gen.generate(list(prompts), **kwargs, **(search if many else {}))
+    # num_return_sequences > 1 gives a list per prompt: one row per sequence, prompt by prompt
+    rows = [(p, r) for p, res in zip(prompts, results) for r in (res if isinstance(res, list) else [res])]
     if as_json:
-        objs = [{"prompt": p, **r.to_json()} for p, r in zip(prompts, results)]
+        objs = [{"prompt": p, **r.to_json()} for p, r in rows]
         print_json(objs[0] if len(objs) == 1 else {"results": objs})
         return
-    for p, r in zip(prompts, results):
+    for p, r in rows:
         click.echo(p + r.text)
-        click.echo(f"[finish: {r.finish_reason}]", err=True)
-    _print_timings(results[0].timings, sum(len(r.token_ids) for r in results))
+        score = "" if r.sequence_score is None else f", score {r.sequence_score:.4f}"
+        click.echo(f"[finish: {r.finish_reason}{score}]", err=True)
+    _print_timings(rows[0][1].timings, sum(len(r.token_ids) for _, r in rows))
 
 
 @main.command()
