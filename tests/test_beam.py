@@ -14,7 +14,7 @@ from gpt2edge.cli import main
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime import GenerationResult, Generator
 from gpt2edge.runtime.beam import time_beam_search
-from gpt2edge.runtime.beam_search import BeamSearch
+from gpt2edge.runtime.beam_search import BeamSearch, top_k_sorted
 from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
 
 EOS_EARLY = 19  # a token the tiny model emits within a few steps: makes hypotheses end early
@@ -153,6 +153,17 @@ def test_bookkeeping_replays_transformers_exactly(hf_model, tiny_export, prompts
     got = [hyp for group in beams.best(n) for hyp in group]
     assert [ids for ids, _ in got] == ref
     assert np.allclose([s for _, s in got], ref_scores, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,k", [(12, 4), (2000, 10), (4 * 50257, 8), (6, 6)])
+def test_top_k_sorted_is_a_stable_full_sort_prefix(n, k):
+    rng = np.random.default_rng(n)
+    scores = rng.standard_normal((3, n)).astype(np.float32)
+    scores[0, ::3] = scores[0, 0]  # ties, some of them among the best
+    scores[1, n // 2 :] = -np.inf  # most of a row ruled out, as EOS suppression does
+    scores[2, 1:] -= 1e9  # beams 1.. of the first step: every candidate but a few is -1e9 + x
+    ref = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # best first, ties by lower index
+    assert np.array_equal(top_k_sorted(scores, k), ref)
 
 
 def test_result_shapes(tiny_export):

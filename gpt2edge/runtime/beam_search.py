@@ -19,19 +19,20 @@ from collections.abc import Callable
 
 import numpy as np
 
+from gpt2edge.runtime.sampling import top_k_ids
+
 BIG = np.float32(1e9)  # transformers' "very large" score offset
 
 
 def top_k_sorted(scores: np.ndarray, k: int) -> np.ndarray:
     """(P, N) -> (P, k) column indices of the k best scores per row, best first (torch.topk's order); ties go
-    to the lower index. Only the k candidates are sorted, never the whole row."""
-    if k < scores.shape[1]:
-        part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-    else:
-        part = np.broadcast_to(np.arange(scores.shape[1]), scores.shape)
-    vals = gather(scores, part)
-    order = np.lexsort((part, -vals), axis=1)  # by score descending, then index ascending
-    return gather(part, order)
+    to the lower index. A threshold pass finds the few candidates (sampling.top_k_ids, which keeps every tie
+    with the k-th); only those are sorted, never the whole num_beams * vocab row."""
+    out = np.empty((len(scores), k), dtype=np.int64)
+    for p, row in enumerate(scores):
+        ids = top_k_ids(row, k)
+        out[p] = ids[np.lexsort((ids, -row[ids]))[:k]]  # by score descending, then index ascending
+    return out
 
 
 def gather(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
