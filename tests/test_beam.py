@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from gpt2edge.cli import main
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime import GenerationResult, Generator
+from gpt2edge.runtime import GenerationResult, Generator, available_devices
 from gpt2edge.runtime.beam import time_beam_search
 from gpt2edge.runtime.beam_search import BeamSearch, top_k_sorted
 from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
@@ -254,9 +254,10 @@ def test_shared_cache_reorder_rows_only_up_to_the_valid_length(index):
     assert np.array_equal(cache._storage[:, :, :, :L], before[:, index, :, :L])
     assert np.array_equal(cache._storage[:, :, :, L:], before[:, :, :, L:])  # slots past L are not touched
     assert cache.pointers() == pointers and cache.allocations == 1
+    cache.reorder_rows(np.array([3, 2, 1, 0]), L)  # swaps need the scratch buffer
     scratch = cache._scratch
-    cache.reorder_rows(np.array(index[::-1]), L)
-    assert cache._scratch is scratch  # allocated once, reused
+    cache.reorder_rows(np.array([1, 0, 3, 2]), L)
+    assert scratch is not None and cache._scratch is scratch  # allocated once, reused
     cache.set_rows(2)
     before = cache._storage.copy()
     cache.expand_rows(2, L)
@@ -385,3 +386,15 @@ def test_time_beam_search_reports_each_part(export):
     t = time_beam_search(g.lm, [[5, 6, 7], [8]], max_new_tokens=8, num_beams=4)
     assert (t.num_beams, t.rows, t.steps) == (4, 8, 7)
     assert t.decode_ms_per_step > 0 and t.reorder_ms_per_step >= 0 and t.select_ms_per_step > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("cuda" not in available_devices(), reason="CUDA execution provider not available")
+def test_cuda_beams_and_samples_match_cpu(tiny_export):
+    cpu, cuda = Generator(tiny_export), Generator(tiny_export, device="cuda")
+    beams = dict(num_beams=4, num_return_sequences=2, max_new_tokens=12)
+    ref = cpu.generate(BATCH, **beams)
+    got = cuda.generate(BATCH, **beams)
+    assert [[r.token_ids for r in g] for g in got] == [[r.token_ids for r in g] for g in ref]
+    samples = dict(num_return_sequences=3, max_new_tokens=12, temperature=0.9, seed=2, ignore_eos=True)
+    assert len(cuda.generate("The river", **samples)) == 3 and cuda.lm.cache.allocations <= 2

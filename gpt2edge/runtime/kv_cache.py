@@ -163,18 +163,20 @@ class SharedKVCache(KVCache):
 
     def gather_rows(self, index: np.ndarray, past_len: int) -> None:
         """New row r = old row index[r], in place, for the first past_len positions only. Rows that keep their
-        own content are not touched; the others are gathered into a scratch buffer (one tensor's size,
-        allocated once) and copied back, so that no source row is overwritten before it is read."""
+        own content are not touched. A source row that is itself overwritten is first saved to a scratch
+        buffer (one tensor's size, allocated once); the others are copied from directly."""
         new_rows = len(index)
         if new_rows > self.batch:
             raise ValueError(f"the KV cache has {self.batch} rows reserved, asked for {new_rows}")
         moved = [(r, int(s)) for r, s in enumerate(index) if r >= self.rows or s != r]
-        if self._scratch is None:
+        targets = {r for r, _ in moved}
+        saved = {s: i for i, s in enumerate(sorted({s for _, s in moved if s in targets}))}  # row -> scratch slot
+        if saved and self._scratch is None:
             self._scratch = np.empty(self._storage.shape[1:], self.dtype)  # (B, nh, capacity, hs)
         L = past_len
         for cache in self._storage:  # (B, nh, capacity, hs) per key / value tensor
-            for i, (_, s) in enumerate(moved):
+            for s, i in saved.items():
                 self._scratch[i, :, :L] = cache[s, :, :L]
-            for i, (r, _) in enumerate(moved):
-                cache[r, :, :L] = self._scratch[i, :, :L]
+            for r, s in moved:
+                cache[r, :, :L] = self._scratch[saved[s], :, :L] if s in saved else cache[s, :, :L]
         self.rows = new_rows
