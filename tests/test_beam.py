@@ -312,6 +312,8 @@ def test_interrupt_keeps_the_best_so_far(tiny_export):
     )
     assert len(rs) == 3 and all(r.finish_reason == "interrupted" and len(r.token_ids) == 4 for r in rs)
     assert rs[0].sequence_score >= rs[1].sequence_score >= rs[2].sequence_score
+    drawn = g.generate("The river", num_return_sequences=2, temperature=0.9, max_new_tokens=20, callback=ctrl_c)
+    assert all(r.finish_reason == "interrupted" and len(r.token_ids) == 4 for r in drawn)
 
 
 def test_stop_string_ends_a_beam(tiny_export):
