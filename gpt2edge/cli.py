@@ -238,6 +238,15 @@ SEEDS = click.IntRange(0, 2**63 - 1)
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); not included in the output.")
 @click.option("--ignore-eos", is_flag=True, help="Keep going past the end-of-text token.")
 @click.option("--truncate", is_flag=True, help="Keep the end of a prompt that does not fit instead of failing.")
+@click.option("--num-beams", type=int, default=None, help="Beam search with this many beams (1 = off) [default: 1].")
+@click.option("--num-return-sequences", type=int, default=None, help="Sequences per prompt (<= --num-beams).")
+@click.option("--length-penalty", type=float, default=None, help="Beam score = logprob / len**this [default: 1.0].")
+@click.option(
+    "--early-stopping",
+    type=click.Choice(["true", "false", "never"], case_sensitive=False),
+    default=None,
+    help="When beam search stops (transformers' early_stopping) [default: false].",
+)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option(
     "--threads", type=THREADS, default=None, help="Intra-op threads, 1..1024 [default: ONNX Runtime's choice]."
@@ -274,6 +283,10 @@ def generate(
     stop,
     ignore_eos,
     truncate,
+    num_beams,
+    num_return_sequences,
+    length_penalty,
+    early_stopping,
     device,
     threads,
     no_verify,
@@ -328,8 +341,16 @@ def generate(
         kwargs["logprobs"] = logprobs
         for text in texts:
             gen.encode_prompt(text, params.max_new_tokens, truncate)
+        search = dict(  # beam search / several sequences per prompt: printed once complete
+            num_beams=num_beams,
+            num_return_sequences=num_return_sequences,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+        )
         stream = not (no_stream or as_json)
-        if sequential or len(texts) == 1:
+        if any(v is not None for v in search.values()):
+            interrupted = _generate_search(gen, texts, {**kwargs, **search}, as_json)
+        elif sequential or len(texts) == 1:
             interrupted = _generate_each(gen, texts, kwargs, stream, as_json)
         else:
             interrupted = _generate_batch(gen, texts, kwargs, as_json)
@@ -390,9 +411,26 @@ def _generate_batch(gen, texts: list[str], kwargs: dict, as_json: bool) -> bool:
     return any(r.finish_reason == "interrupted" for r in results)
 
 
+def _generate_search(gen, texts: list[str], kwargs: dict, as_json: bool) -> bool:
+    """Beam search or several sequences per prompt, one row per sequence (prompt by prompt, best first);
+    returns whether Ctrl-C stopped it."""
+    results = gen.generate(texts, **kwargs)
+    # num_return_sequences > 1 gives a list per prompt
+    rows = [(t, r) for t, res in zip(texts, results) for r in (res if isinstance(res, list) else [res])]
+    if as_json:
+        objs = [{"prompt": t, **r.to_json()} for t, r in rows]
+        print_json(objs[0] if len(objs) == 1 else {"results": objs})
+    else:
+        for t, r in rows:
+            _print_result(t, r)
+        _print_timings(rows[0][1].timings, sum(len(r.token_ids) for _, r in rows))
+    return any(r.finish_reason == "interrupted" for _, r in rows)
+
+
 def _print_result(text: str, result) -> None:
     click.echo(text + result.text)
-    click.echo(f"[finish: {result.finish_reason}]", err=True)
+    score = "" if result.sequence_score is None else f", score {result.sequence_score:.4f}"
+    click.echo(f"[finish: {result.finish_reason}{score}]", err=True)
 
 
 def _print_json_results(texts: list[str], results: list) -> None:

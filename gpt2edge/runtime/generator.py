@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -11,7 +12,9 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.beam import BeamState, SearchParams, check_search, iter_beam_search, search_params
 from gpt2edge.runtime.conversation import ContextOverflow, Conversation
+from gpt2edge.runtime.expand import iter_generate_expanded
 from gpt2edge.runtime.generate import GenerationState, Step, iter_generate, length_error
 from gpt2edge.runtime.lm import LMPool, OrtGraph, OrtLM
 from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob, check_logprobs
@@ -60,6 +63,7 @@ class GenerationResult:
     finish_reason: str
     timings: dict[str, float]
     logprobs: list[TokenLogprob] | None = None
+    sequence_score: float | None = None  # beam search: sum of log-probs / generated_len ** length_penalty
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -188,13 +192,35 @@ class Generator:
         stop: str | Sequence[str] | None = (),
         seed: int | None = None,
         logprobs: int | None = None,
+        num_beams: int | None = None,
+        num_return_sequences: int | None = None,
+        length_penalty: float | None = None,
+        early_stopping: bool | str | None = None,
         **sampling: Any,
-    ) -> GenerationResult | list[GenerationResult]:
+    ) -> GenerationResult | list[GenerationResult] | list[list[GenerationResult]]:
         """Generate for one prompt (returns a result) or a list of prompts (a left-padded batch; a list).
         Thread-safe (see the class docstring). `stop`: a string or a list of strings. `logprobs=N`: record each
-        generated token's log-prob and the N most likely alternatives (result.logprobs; N = 0: the token's only)."""
+        generated token's log-prob and the N most likely alternatives (result.logprobs; N = 0: the token's only).
+
+        With num_return_sequences > 1 each prompt gets a list of results instead (best beam first), so a
+        prompt gives a list and a list of prompts a list of lists. num_beams > 1 is beam search (results
+        carry sequence_score); num_return_sequences > 1 without it samples, prefilling each prompt once.
+        """
         params = self.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
+        search = search_params(
+            self.defaults, num_beams=num_beams, num_return_sequences=num_return_sequences,
+            length_penalty=length_penalty, early_stopping=early_stopping,
+        )  # fmt: skip
+        check_search(search, params)
         batch = [prompt] if isinstance(prompt, str) else list(prompt)
+        if search.expands:
+            if logprobs is not None:
+                raise GenerationError("logprobs is recorded for one sequence per prompt; drop num_beams or "
+                                      "num_return_sequences, or logprobs.")  # fmt: skip
+            groups = self._generate_many(batch, truncate, callback, params, search)
+            if search.num_return_sequences == 1:
+                groups = [g[0] for g in groups]
+            return groups[0] if isinstance(prompt, str) else groups
         recorder = self.logprob_recorder(logprobs, len(batch))
         state = GenerationState(prompts=self._encode(batch, truncate, params), params=params, logprobs=recorder)
         with self._pool.lease() as lm:
@@ -206,6 +232,42 @@ class Generator:
                 state.finish_reasons = [r or "interrupted" for r in state.finish_reasons]
         results = self._results(state)
         return results[0] if isinstance(prompt, str) else results
+
+    def _generate_many(
+        self,
+        prompts: list[str],
+        truncate: bool,
+        callback: Callable[[Step], None] | None,
+        params: SamplingParams,
+        search: SearchParams,
+    ) -> list[list[GenerationResult]]:
+        """Beam search or several samples per prompt: num_return_sequences results per prompt."""
+        if not prompts:
+            raise GenerationError("No prompt given.")
+        encoded = self._encode(prompts, truncate, params)
+        with self._pool.lease() as lm:
+            if search.num_beams > 1:
+                state = BeamState(prompts=encoded, params=params, search=search)
+                steps = iter_beam_search(lm, self.tokenizer, state, self.pad_token_id)
+            else:
+                state = GenerationState(prompts=encoded, params=params)
+                n = search.num_return_sequences
+                steps = iter_generate_expanded(lm, self.tokenizer, state, self.pad_token_id, n)
+            try:
+                for step in steps:
+                    if callback is not None:
+                        callback(step)
+            except KeyboardInterrupt:
+                with contextlib.suppress(StopIteration):
+                    steps.throw(KeyboardInterrupt)  # the loop records what it has, then ends
+        results = self._results(state)
+        if isinstance(state, BeamState):
+            reorder = float(np.mean(state.reorder_ms)) if state.reorder_ms else 0.0
+            for r, score in zip(results, state.scores):
+                r.sequence_score = score
+                r.timings["reorder_ms_per_step"] = reorder
+        n = search.num_return_sequences
+        return [results[i : i + n] for i in range(0, len(results), n)]
 
     def stream(
         self,

@@ -38,7 +38,8 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = np.dtype(dtype)
         self.device = device
-        self.batch = 0
+        self.batch = 0  # rows reserved
+        self.rows = 0  # rows the next step binds (fewer than reserved while a prefill runs before expand_rows)
         self.capacity = 0  # sequence slots per buffer
         self.allocations = 0  # how many times memory was reserved (tests check it stays 1 per generation)
         self.src = 0  # which of the two slots holds the current past
@@ -55,13 +56,14 @@ class KVCache:
             self.batch, self.capacity = batch, length
             self.allocations += 1
         self.src = 0
+        self.rows = batch
 
     def pointer(self, slot: int, tensor: int) -> int:
         """Address of flat buffer `tensor` (2*layer + 0 for key, + 1 for value) in ping-pong `slot`."""
         return self._base + (slot * self.n_tensors + tensor) * self._elems * self.dtype.itemsize
 
     def shape(self, length: int) -> list[int]:
-        return [self.batch, self.n_head, length, self.head_dim]
+        return [self.rows, self.n_head, length, self.head_dim]
 
     def bind(self, binding, past_names: list[str], present_names: list[str], past_len: int, new_len: int) -> None:
         """Bind past (read from slot src) and present (written to the other slot) for one step."""
@@ -78,9 +80,46 @@ class KVCache:
         """After a step the present slot becomes the next step's past."""
         self.src = 1 - self.src
 
+    def set_rows(self, rows: int) -> None:
+        """Bind the first `rows` of the reserved rows from the next step on (a prefill before expand_rows)."""
+        if not 0 < rows <= self.batch:
+            raise ValueError(f"the KV cache has {self.batch} rows reserved, asked to use {rows}")
+        self.rows = rows
+
+    def expand_rows(self, factor: int, past_len: int) -> None:
+        """Copy each current row into `factor` consecutive rows (row r -> rows r*factor .. r*factor+factor-1):
+        one prefill serves several beams or samples."""
+        self.gather_rows(np.repeat(np.arange(self.rows), factor), past_len)
+
+    def reorder_rows(self, index: np.ndarray, past_len: int) -> None:
+        """Row r becomes old row index[r] (beam search keeps the best continuations); nothing moves when every
+        row keeps its own."""
+        if len(index) != self.rows or not np.array_equal(index, np.arange(self.rows)):
+            self.gather_rows(index, past_len)
+
+    def gather_rows(self, index: np.ndarray, past_len: int) -> None:
+        """New row r = old row index[r], for the first past_len positions: gathered from the past slot into the
+        other ping-pong slot, which becomes the past (no allocation on CPU)."""
+        new_rows = len(index)
+        if new_rows > self.batch:
+            raise ValueError(f"the KV cache has {self.batch} rows reserved, asked for {new_rows}")
+        index = np.asarray(index, dtype=np.intp)
+        row = self.n_head * past_len * self.head_dim  # a (nh, T, hs) row of the flat (B, nh, T, hs) prefix
+        host = self._storage if self.device == "cpu" else self._storage.numpy()  # CUDA: a host round trip
+        src, dst = host[self.src], host[1 - self.src]  # (n_tensors, elems) each
+        for t in range(self.n_tensors):
+            old = src[t, : self.rows * row].reshape(self.rows, row)
+            # mode="clip" lets numpy write straight into `out` (mode="raise" buffers a copy first)
+            np.take(old, index, axis=0, out=dst[t, : new_rows * row].reshape(new_rows, row), mode="clip")
+        if self.device != "cpu":
+            self._storage.update_inplace(host)
+        self.src, self.rows = 1 - self.src, new_rows
+
 
 class SharedKVCache(KVCache):
     """One buffer per key/value tensor, bound as both past and present: the graph writes it in place."""
+
+    _scratch: np.ndarray | None = None  # rows being moved by gather_rows
 
     def reserve(self, batch: int, length: int) -> None:
         if self._storage is None or batch != self.batch or length > self.capacity:
@@ -88,8 +127,10 @@ class SharedKVCache(KVCache):
                 raise ValueError("the shared KV cache is the CPU fast path")
             # zeroed once so that no slot ever holds NaN bits; the graph reads only the slots it has written
             self._storage = np.zeros((self.n_tensors, batch, self.n_head, length, self.head_dim), self.dtype)
+            self._scratch = None  # sized for the old buffers
             self.batch, self.capacity = batch, length
             self.allocations += 1
+        self.rows = batch
 
     def bind(self, binding, past_names: list[str], present_names: list[str], past_len: int, new_len: int) -> None:
         """Past and present = the same (B, nh, capacity, hs) buffer; the graph's attention writes slots
@@ -98,6 +139,7 @@ class SharedKVCache(KVCache):
             raise ValueError(f"KV cache holds {self.capacity} positions, step needs {past_len + new_len}")
         t, shape = self.dtype.type, self.shape(self.capacity)
         for i, (past, present) in enumerate(zip(past_names, present_names)):
+            # the first `rows` rows of a (batch, nh, capacity, hs) buffer are contiguous at its start
             binding.bind_input(past, "cpu", 0, t, shape, self._storage[i].ctypes.data)
             binding.bind_output(present, "cpu", 0, t, shape, self._storage[i].ctypes.data)
 
@@ -106,13 +148,33 @@ class SharedKVCache(KVCache):
 
     def write(self, presents: list[np.ndarray], past_len: int) -> None:
         """Without IO binding the graph returns a copy of each buffer with the new slots written."""
-        self._storage[...] = np.stack(presents)
+        self._storage[:, : self.rows] = np.stack(presents)
 
     def tensors(self, past_len: int) -> list[np.ndarray]:
         """The cache as graph inputs, without IO binding."""
-        return list(self._storage)
+        return list(self._storage[:, : self.rows])
 
     def row(self, r: int) -> list[np.ndarray]:
         """Row r of every buffer as a (1, nh, capacity, hs) view: contiguous, so it can be bound as a batch of
         one (the graph then reads and writes that row in place)."""
         return [self._storage[i, r : r + 1] for i in range(self.n_tensors)]
+
+    def gather_rows(self, index: np.ndarray, past_len: int) -> None:
+        """New row r = old row index[r], in place, for the first past_len positions only. Rows that keep their
+        own content are not touched. A source row that is itself overwritten is first saved to a scratch
+        buffer (one tensor's size, allocated once); the others are copied from directly."""
+        new_rows = len(index)
+        if new_rows > self.batch:
+            raise ValueError(f"the KV cache has {self.batch} rows reserved, asked for {new_rows}")
+        moved = [(r, int(s)) for r, s in enumerate(index) if r >= self.rows or s != r]
+        targets = {r for r, _ in moved}
+        saved = {s: i for i, s in enumerate(sorted({s for _, s in moved if s in targets}))}  # row -> scratch slot
+        if saved and self._scratch is None:
+            self._scratch = np.empty(self._storage.shape[1:], self.dtype)  # (B, nh, capacity, hs)
+        L = past_len
+        for cache in self._storage:  # (B, nh, capacity, hs) per key / value tensor
+            for s, i in saved.items():
+                self._scratch[i, :, :L] = cache[s, :, :L]
+            for r, s in moved:
+                cache[r, :, :L] = self._scratch[saved[s], :, :L] if s in saved else cache[s, :, :L]
+        self.rows = new_rows

@@ -103,15 +103,46 @@ class OrtLM:
         if self.io_binding:
             if self._mask.size < batch * length:
                 self._mask = np.empty(batch * length, dtype=np.int64)
+        self._set_rows(batch)
+
+    def _set_rows(self, rows: int) -> None:
+        """Size the per-row buffers (the bound log-probs, or the unbound empty past) for steps of `rows` rows."""
+        self._bound_seq = 0  # the batch changed: bind afresh
+        if self.io_binding:
             if self.folder.head == "last":
-                shape = (batch, self.vocab_size if self.kept_ids is None else len(self.kept_ids))
+                shape = (rows, self.vocab_size if self.kept_ids is None else len(self.kept_ids))
                 if self.device == "cpu":
                     self._logprobs = np.empty(shape, dtype=np.float32)
                 else:
                     self._logprobs = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, "cuda", 0)
         elif not self.shared:
-            empty = np.zeros((batch, self.n_head, 0, self.head_dim), dtype=self.kv_dtype)
+            empty = np.zeros((rows, self.n_head, 0, self.head_dim), dtype=self.kv_dtype)
             self._presents = [empty] * len(self.past_names)
+
+    def use_rows(self, rows: int) -> None:
+        """Before the prefill: run it on the first `rows` of the rows start() reserved; expand_rows then fills
+        the rest from them (one prefill for several beams or samples, one cache allocation)."""
+        if self.io_binding or self.shared:
+            self.cache.set_rows(rows)
+        self._set_rows(rows)
+
+    def expand_rows(self, factor: int) -> None:
+        """After the prefill: row r's cache is copied into rows r*factor .. r*factor+factor-1."""
+        if self.io_binding or self.shared:
+            self.cache.expand_rows(factor, self.past_len)
+            rows = self.cache.rows
+        else:
+            self._presents = [np.repeat(p, factor, axis=0) for p in self._presents]
+            rows = len(self._presents[0])
+        if self.io_binding:
+            self._set_rows(rows)
+
+    def reorder_rows(self, index: np.ndarray) -> None:
+        """Row r continues old row index[r] (beam search): the cache rows move in place."""
+        if self.io_binding or self.shared:
+            self.cache.reorder_rows(index, self.past_len)
+        else:
+            self._presents = [np.take(p, index, axis=0) for p in self._presents]
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """(B, S) ids, (B, past+S) mask, (B, S) positions -> (B, V) float32 log-probs of the next token over the
