@@ -38,3 +38,7 @@ class DeviceError(Gpt2EdgeError):
 
 class QuantizeError(Gpt2EdgeError):
     """An unsupported or pointless quantization request."""
+
+
+class ServeError(Gpt2EdgeError):
+    """A server option is out of range, or the `serve` / `cluster` extra is not installed."""
