@@ -367,7 +367,13 @@ def bench(
 @click.option("--max-queue", type=int, default=128, show_default=True, help="Requests waiting; more get 429.")
 @click.option("--max-n", type=int, default=8, show_default=True, help="Largest n (choices) per request.")
 @click.option("--max-body-kb", type=int, default=1024, show_default=True, help="Largest request body (413 past it).")
-@click.option("--batch-wait-ms", type=float, default=10.0, show_default=True, help="Wait for a batch to fill.")
+@click.option(
+    "--batch-wait-ms",
+    type=float,
+    default=50.0,
+    show_default=True,
+    help="Longest wait for a new batch to reach the previous batch's size.",
+)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: ONNX Runtime's choice).")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")

@@ -314,20 +314,35 @@ def test_unknown_route_and_method_are_openai_errors(server):
 
 
 def test_queue_full_gets_429(tiny_export):
-    # a long batch window keeps the first request queued while the next arrive: no timing race
-    with running(tiny_export, max_batch=4, max_queue=1, batch_wait_ms=1000) as (url, _):
+    """One request decodes (slowly), one waits: with --max-queue 1 the third gets 429, and the first two finish."""
 
-        async def main():
-            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-                first = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
-                while (await client.get("/health")).json()["waiting"] < 1:
-                    await asyncio.sleep(0.01)
-                second = await client.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
-                return await first, second
+    async def until(client, key, value):
+        for _ in range(500):
+            if (await client.get("/health")).json()[key] >= value:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{key} never reached {value}")
 
-        first, second = asyncio.run(main())
-    assert first.status_code == 200
-    assert second.status_code == 429 and second.json()["error"]["code"] == "queue_full"
+    async def main(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            body = {"prompt": "a", "max_tokens": 30, "ignore_eos": True}
+            running = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            await until(client, "running", 1)
+            queued = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            await until(client, "waiting", 1)
+            refused = await client.post("/v1/completions", json=body)
+            return await running, await queued, refused
+
+    with running(tiny_export, delay=0.05, max_batch=1, max_queue=1) as (url, _):
+        first, second, third = asyncio.run(main(url))
+    assert first.status_code == second.status_code == 200
+    assert third.status_code == 429
+    assert third.json()["error"] == {
+        "message": "The server is busy (1 requests already queued); retry shortly.",
+        "type": "rate_limit_error",
+        "param": None,
+        "code": "queue_full",
+    }
 
 
 # ---- clients that leave -------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ class ServeConfig:
     """What one server (or one Ray Serve replica) accepts.
 
     max_batch rows decode together (a request of n choices and k prompts is n*k rows); up to max_queue further
-    requests wait for the next batch, and past that a request gets 429. batch_wait_ms is how long a batch that is
-    not full waits for more requests before it starts (closed-loop clients resend within milliseconds).
+    requests wait for the next batch, and past that a request gets 429. batch_wait_ms is the longest a new batch
+    waits to grow to the previous batch's size (clients that just got an answer resend within milliseconds;
+    a lone client never waits).
     """
 
     model_name: str
@@ -24,7 +25,7 @@ class ServeConfig:
     max_queue: int = 128
     max_n: int = 8
     max_body_bytes: int = 1 << 20
-    batch_wait_ms: float = 10.0
+    batch_wait_ms: float = 50.0
 
     def __post_init__(self) -> None:
         # each bound named with the flag that sets it, before any model is loaded

@@ -11,6 +11,7 @@ thread exactly as `gpt2edge serve` does; Ray Serve's proxy spreads requests over
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +98,10 @@ def app_builder(args: dict[str, Any]):
     return build_application(model_dir, ServeConfig(**config_kw), **replica_kw)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run_on_ray(
     application,
     host: str,
@@ -104,10 +109,12 @@ def run_on_ray(
     address: str | None = None,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
-    """Start (or join, with `address`) Ray, deploy, and block until Ctrl-C; then delete the app."""
+    """Start (or join, with `address`) Ray, deploy, and block until Ctrl-C or SIGTERM; then delete the app (and
+    stop the local Ray instance, so no Ray process outlives the command)."""
     import ray
     from ray import serve
 
+    signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop takes the same clean path as Ctrl-C
     ray.init(address=address, include_dashboard=False, ignore_reinit_error=True)
     try:
         serve.start(http_options={"host": host, "port": port})

@@ -50,6 +50,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
         self._closing = False
+        self._last_rows = 1  # rows of the previous batch: how many to wait for before the next starts
         self._stats = SchedulerStats()
         self._thread = threading.Thread(target=self._loop, name="gpt2edge-scheduler", daemon=True)
 
@@ -118,7 +119,8 @@ class Scheduler:
         return True
 
     def _next_batch(self) -> list[Job] | None:
-        """Block until jobs wait; give a batch that is not full batch_wait_ms to fill; take it."""
+        """Block until jobs wait; let the batch fill up to the previous batch's size (at most batch_wait_ms:
+        clients that just got their answers usually send their next request within milliseconds); take it."""
         with self._cond:
             while True:
                 if self._closing:
@@ -127,8 +129,9 @@ class Scheduler:
                 if self._waiting:
                     break
                 self._cond.wait()
+            expected = min(self.config.max_batch, max(1, self._last_rows))
             deadline = time.monotonic() + self.config.batch_wait_ms / 1e3
-            while not self._closing and self._rows_waiting() < self.config.max_batch:
+            while not self._closing and self._rows_waiting() < expected:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -137,6 +140,7 @@ class Scheduler:
             if self._closing or not self._waiting:
                 return None if self._closing else []
             self._running = take_batch(self._waiting, self.config.max_batch, self.n_positions)
+            self._last_rows = sum(len(j.rows) for j in self._running)
             return self._running
 
     def _rows_waiting(self) -> int:
