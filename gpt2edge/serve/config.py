@@ -33,8 +33,8 @@ class ServeConfig:
             raise ServeError("The model name must not be empty; pass --model-name NAME.")
         if self.max_batch < 1:
             raise ServeError(f"--max-batch must be >= 1, got {self.max_batch}.")
-        if self.max_queue < 0:
-            raise ServeError(f"--max-queue must be >= 0, got {self.max_queue}.")
+        if self.max_queue < 1:  # every request passes through the queue, however briefly
+            raise ServeError(f"--max-queue must be >= 1, got {self.max_queue}.")
         if self.max_n < 1:
             raise ServeError(f"--max-n must be >= 1, got {self.max_n}.")
         if self.max_body_bytes < 1024:
