@@ -5,7 +5,7 @@
 
 With MODEL_DIR it starts `gpt2edge serve MODEL_DIR --port 0` in a subprocess (loopback only) and stops it at the
 end. At each concurrency c, c clients each send streaming completions back to back (closed loop) until
-`--requests` (default max(16, 2c)) have finished; every request is greedy with ignore_eos, so each returns
+`--requests` (default max(16, 4c)) have finished; every request is greedy with ignore_eos, so each returns
 exactly --max-tokens tokens, and the prompts are distinct (about --prompt-tokens tokens each). Reported per
 level: requests/s, completion tokens/s, latency p50/p99 (send -> [DONE]), time to first token p50/p99 (send ->
 first non-empty text), and the mean batch the server formed (from /health). The clients run on the same
@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("model_dir", nargs="?", help="export folder to serve (else --url)")
     ap.add_argument("--url", help="a running server instead of starting one")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--requests", type=int, default=None, help="requests per level [default: max(16, 2c)]")
+    ap.add_argument("--requests", type=int, default=None, help="requests per level [default: max(16, 4c)]")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=32, help="about this many words per prompt")
     ap.add_argument("--threads", type=int, default=None, help="the server's ONNX Runtime threads")
@@ -152,7 +152,7 @@ def main() -> None:
             await one_request(client, {"prompt": texts[0], "max_tokens": 4, "stream": True})
         out = []
         for c in args.concurrency:
-            out.append(await run_level(url, c, args.requests or max(16, 2 * c), texts, args.max_tokens))
+            out.append(await run_level(url, c, args.requests or max(16, 4 * c), texts, args.max_tokens))
             if not args.json:
                 print(_row(out[-1]), flush=True)
         return out

@@ -372,7 +372,7 @@ def bench(
     type=float,
     default=50.0,
     show_default=True,
-    help="Longest wait for a new batch to reach the previous batch's size.",
+    help="Longest wait for a new batch to fill (see README: Serve).",
 )
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: ONNX Runtime's choice).")

@@ -16,8 +16,7 @@ class ServeConfig:
 
     max_batch rows decode together (a request of n choices and k prompts is n*k rows); up to max_queue further
     requests wait for the next batch, and past that a request gets 429. batch_wait_ms is the longest a new batch
-    waits to grow to the previous batch's size (clients that just got an answer resend within milliseconds;
-    a lone client never waits).
+    waits to fill (to the previous batch's size, and until requests stop arriving for a tenth of it).
     """
 
     model_name: str

@@ -51,6 +51,7 @@ class Scheduler:
         self._running: list[Job] = []
         self._closing = False
         self._last_rows = 1  # rows of the previous batch: how many to wait for before the next starts
+        self._last_arrival = 0.0  # time.monotonic() of the latest submit
         self._stats = SchedulerStats()
         self._thread = threading.Thread(target=self._loop, name="gpt2edge-scheduler", daemon=True)
 
@@ -77,6 +78,7 @@ class Scheduler:
                 self._stats.rejected += 1
                 raise QueueFull
             self._waiting.append(job)
+            self._last_arrival = time.monotonic()
             self._cond.notify()
 
     def stats(self) -> dict:
@@ -119,8 +121,12 @@ class Scheduler:
         return True
 
     def _next_batch(self) -> list[Job] | None:
-        """Block until jobs wait; let the batch fill up to the previous batch's size (at most batch_wait_ms:
-        clients that just got their answers usually send their next request within milliseconds); take it."""
+        """Block until jobs wait, let the batch fill, take it.
+
+        A batch starts once it has as many rows as the previous one (clients that just got an answer resend
+        within milliseconds) and no request arrived for a tenth of batch_wait_ms (a burst is still coming in),
+        or when it is full, or after batch_wait_ms. A lone client waits only the quiet tenth.
+        """
         with self._cond:
             while True:
                 if self._closing:
@@ -129,13 +135,15 @@ class Scheduler:
                 if self._waiting:
                     break
                 self._cond.wait()
-            expected = min(self.config.max_batch, max(1, self._last_rows))
+            expected = min(self.config.max_batch, self._last_rows)
+            quiet = self.config.batch_wait_ms / 1e4
             deadline = time.monotonic() + self.config.batch_wait_ms / 1e3
-            while not self._closing and self._rows_waiting() < expected:
-                left = deadline - time.monotonic()
-                if left <= 0:
+            while not self._closing and (rows := self._rows_waiting()) < self.config.max_batch:
+                now = time.monotonic()
+                if now >= deadline or (rows >= expected and now - self._last_arrival >= quiet):
                     break
-                self._cond.wait(left)
+                until = deadline if rows < expected else min(deadline, self._last_arrival + quiet)
+                self._cond.wait(until - now)
             self._drop_cancelled()
             if self._closing or not self._waiting:
                 return None if self._closing else []
