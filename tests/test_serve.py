@@ -233,13 +233,13 @@ def test_a_batch_gives_every_row_its_tokens_alone(kind, request):
 def test_a_batch_waits_for_a_burst_that_is_still_arriving(tiny_export):
     """Requests that arrive in quick succession start together, even though the first found the server idle."""
     gen = Generator(tiny_export)
-    scheduler = Scheduler(gen, ServeConfig(model_name="tiny", batch_wait_ms=5000))  # quiet gap 0.5 s
+    scheduler = Scheduler(gen, ServeConfig(model_name="tiny", batch_wait_ms=1000))  # quiet gap 0.1 s
     scheduler.start()
     jobs = [Job([p], [len(gen.tokenizer.encode(p))], 1, 4, Sampling(temperature=0), (), lambda e: None, gen.tokenizer)
             for p in PROMPTS[:3]]  # fmt: skip
     for job in jobs:
         scheduler.submit(job)
-        time.sleep(0.05)
+        time.sleep(0.01)
     deadline = time.monotonic() + 30
     while not all(j.finished for j in jobs) and time.monotonic() < deadline:
         time.sleep(0.01)
