@@ -18,6 +18,8 @@ from gpt2edge.serve.batch import fail, run_batch, take_batch
 from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.jobs import Job
 
+FILL_SHARE = 0.05  # a new batch may wait this share of the previous batch's decode time for its rows
+
 
 class QueueFull(Exception):
     """More requests are waiting than --max-queue allows (the client gets 429)."""
@@ -50,8 +52,9 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
         self._closing = False
-        self._last_rows = 1  # rows of the previous batch: how many to wait for before the next starts
+        self._expect = 1  # rows the next batch waits for: the last batch's clients (they resend) + those waiting
         self._last_arrival = 0.0  # time.monotonic() of the latest submit
+        self._last_batch_s = 0.0  # how long the previous batch decoded
         self._stats = SchedulerStats()
         self._thread = threading.Thread(target=self._loop, name="gpt2edge-scheduler", daemon=True)
 
@@ -111,21 +114,26 @@ class Scheduler:
             return False
         if not jobs:  # every queued client left during the wait
             return True
+        t0 = time.monotonic()
         n = run_batch(self.generator, jobs)
         with self._cond:
+            self._last_batch_s = time.monotonic() - t0
             self._running = []
             self._stats.batches += 1
             self._stats.rows_served += n
             self._stats.largest_batch = max(self._stats.largest_batch, n)
             self._stats.dropped_rows += sum(r.dropped for j in jobs for r in j.rows)
+            self._expect = min(self.config.max_batch, n + self._rows_waiting())
         return True
 
     def _next_batch(self) -> list[Job] | None:
         """Block until jobs wait, let the batch fill, take it.
 
-        A batch starts once it has as many rows as the previous one (clients that just got an answer resend
-        within milliseconds) and no request arrived for a tenth of batch_wait_ms (a burst is still coming in),
-        or when it is full, or after batch_wait_ms. A lone client waits only the quiet tenth.
+        A batch starts once it has as many rows as the previous batch had plus those that waited during it
+        (closed-loop clients that just got an answer resend within milliseconds: waiting for them merges
+        cohorts that would otherwise alternate) and no request arrived for a tenth of batch_wait_ms (a burst
+        is still coming in), or when it is full, or after batch_wait_ms (or 5 % of the previous batch's time, if
+        longer). A lone client waits only the tenth.
         """
         with self._cond:
             while True:
@@ -135,9 +143,11 @@ class Scheduler:
                 if self._waiting:
                     break
                 self._cond.wait()
-            expected = min(self.config.max_batch, self._last_rows)
+            expected = self._expect
             quiet = self.config.batch_wait_ms / 1e4
-            deadline = time.monotonic() + self.config.batch_wait_ms / 1e3
+            # waiting up to 5 % of the previous batch's time costs at most 5 % of throughput, and lets a cohort of
+            # clients on a busy host (slow to resend) catch up with the rest
+            deadline = time.monotonic() + max(self.config.batch_wait_ms / 1e3, FILL_SHARE * self._last_batch_s)
             while not self._closing and (rows := self._rows_waiting()) < self.config.max_batch:
                 now = time.monotonic()
                 if now >= deadline or (rows >= expected and now - self._last_arrival >= quiet):
@@ -148,7 +158,6 @@ class Scheduler:
             if self._closing or not self._waiting:
                 return None if self._closing else []
             self._running = take_batch(self._waiting, self.config.max_batch, self.n_positions)
-            self._last_rows = sum(len(j.rows) for j in self._running)
             return self._running
 
     def _rows_waiting(self) -> int:
