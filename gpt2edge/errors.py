@@ -54,3 +54,7 @@ class MissingExtraError(Gpt2EdgeError):
 
 class TrimError(Gpt2EdgeError):
     """A vocabulary-trimming request that cannot be honoured: a bad keep-list, corpus or folder."""
+
+
+class ServeError(Gpt2EdgeError):
+    """A server option is out of range, or the `serve` / `cluster` extra is not installed."""

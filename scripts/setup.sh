@@ -12,12 +12,14 @@ pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
 python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null || pip_q torch==2.13.0
 if [ "${1:-}" = "--gpu" ]; then
     pip_q --no-deps -e .
-    pip_q numpy tokenizers click tqdm transformers onnx onnxscript safetensors pytest ruff scipy matplotlib
+    pip_q numpy tokenizers click tqdm transformers onnx onnxscript safetensors pytest ruff scipy matplotlib \
+        fastapi uvicorn httpx 'ray[serve]'
     python -m pip uninstall -q -y onnxruntime 2>/dev/null || true
     pip_q --force-reinstall --no-deps onnxruntime-gpu
 else
     python -c "import importlib.metadata as m; m.version('onnxruntime-gpu')" 2>/dev/null \
         && { echo "onnxruntime-gpu is installed in .venv; remove .venv or run with --gpu" >&2; exit 1; }
     # genai: onnxruntime-genai (tests of `convert --format genai`); it depends on the CPU onnxruntime, so CPU only
-    pip_q -e '.[export,dev,genai]'
+    # cluster = serve + ray[serve], so the server and Ray tests run
+    pip_q -e '.[export,cluster,dev,genai]'
 fi

@@ -1,0 +1,9 @@
+"""`gpt2edge serve`: an OpenAI-compatible completions server with batching, on the torch-free runtime.
+
+Needs the `serve` extra (FastAPI, uvicorn); Ray Serve deployment (gpt2edge.serve.ray_app) needs `cluster`.
+Importing this package is cheap: the app lives in gpt2edge.serve.app / .server, imported when used.
+"""
+
+from gpt2edge.serve.config import ServeConfig, require_extra
+
+__all__ = ["ServeConfig", "require_extra"]

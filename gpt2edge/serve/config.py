@@ -1,0 +1,53 @@
+"""The server's limits and names, checked once at start-up (no FastAPI, no Ray: the CLI imports this cheaply)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from gpt2edge.errors import ServeError
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences per request
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What one server (or one Ray Serve replica) accepts.
+
+    max_batch rows decode together (a request of n choices and k prompts is n*k rows); up to max_queue further
+    requests wait for the next batch, and past that a request gets 429. batch_wait_ms is the longest a new batch
+    waits to fill (to the previous batch's size, and until requests stop arriving for a tenth of it).
+    """
+
+    model_name: str
+    max_batch: int = 16
+    max_queue: int = 128
+    max_n: int = 8
+    max_body_bytes: int = 1 << 20
+    batch_wait_ms: float = 50.0
+
+    def __post_init__(self) -> None:
+        # each bound named with the flag that sets it, before any model is loaded
+        if not self.model_name:
+            raise ServeError("The model name must not be empty; pass --model-name NAME.")
+        if self.max_batch < 1:
+            raise ServeError(f"--max-batch must be >= 1, got {self.max_batch}.")
+        if self.max_queue < 1:  # every request passes through the queue, however briefly
+            raise ServeError(f"--max-queue must be >= 1, got {self.max_queue}.")
+        if self.max_n < 1:
+            raise ServeError(f"--max-n must be >= 1, got {self.max_n}.")
+        if self.max_body_bytes < 1024:
+            raise ServeError(f"--max-body-kb must be >= 1, got {self.max_body_bytes / 1024:g}.")
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ServeError(f"--batch-wait-ms must be in [0, 1000], got {self.batch_wait_ms}.")
+
+
+def require_extra(extra: str) -> None:
+    """Fail with the pip command to run when an optional extra (`serve` or `cluster`) is missing."""
+    modules = {"serve": ("fastapi", "uvicorn"), "cluster": ("fastapi", "uvicorn", "ray")}[extra]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ServeError(
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed; "
+            f"run: pip install 'gpt2edge[{extra}]'."
+        )

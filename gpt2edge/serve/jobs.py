@@ -1,0 +1,125 @@
+"""Typed records passed between the HTTP layer and the scheduler thread: jobs, their rows, and what comes back."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpt2edge.serve.rowtext import Decoder, RowText
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """OpenAI's knobs. temperature 0 is greedy; ignore_eos is an extension (vLLM has it too)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """Generator.generate keywords: OpenAI semantics (no top-k, no repetition penalty), not the folder's."""
+        common = dict(min_new_tokens=0, top_k=0, repetition_penalty=1.0, ignore_eos=self.ignore_eos)
+        if self.greedy:
+            return dict(common, do_sample=False)
+        return dict(common, do_sample=True, temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """New text of one choice; finish_reason is set on the choice's last piece ("stop" or "length")."""
+
+    choice: int
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The job cannot finish (a numerical failure while decoding, or the server shutting down)."""
+
+    message: str
+
+
+Event = Piece | Failure
+
+
+@dataclass
+class Row:
+    """One choice of one job: a batch row."""
+
+    job: Job
+    choice: int
+    prompt: str
+    prompt_len: int
+    text: RowText
+    n_tokens: int = 0
+    done: bool = False
+    dropped: bool = False  # its client left before it finished: decoding it stopped mattering
+
+
+@dataclass
+class Job:
+    """One request: every prompt times n choices, all with the same sampling, max_tokens and stop strings.
+
+    emit() is called from the scheduler thread; the HTTP layer passes a function that hands the event to its
+    event loop. cancel() may be called from any thread (a client that went away).
+    """
+
+    prompts: Sequence[str]
+    prompt_lens: Sequence[int]
+    n: int
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...]
+    emit: Callable[[Event], None]
+    tokenizer: Decoder
+    id: int = field(default_factory=lambda: next(_ids))
+    created: float = field(default_factory=time.monotonic)
+    rows: list[Row] = field(init=False)
+    _cancelled: threading.Event = field(default_factory=threading.Event, init=False)
+
+    def __post_init__(self) -> None:
+        # choice index = prompt index * n + j, as OpenAI numbers them
+        self.rows = [
+            Row(self, p * self.n + j, prompt, plen, RowText(self.tokenizer, self.stop))
+            for p, (prompt, plen) in enumerate(zip(self.prompts, self.prompt_lens))
+            for j in range(self.n)
+        ]
+
+    @property
+    def key(self) -> tuple:
+        """Jobs with equal keys can share a batch (one SamplingParams per batch). A seeded sampled job runs
+        alone, so the same seed gives the same text whoever else is being served."""
+        s = self.sampling
+        if s.greedy:
+            return ("greedy", s.ignore_eos)
+        if s.seed is None:
+            return ("sample", s.temperature, s.top_p, s.ignore_eos)
+        return ("seeded", self.id)
+
+    @property
+    def max_prompt_len(self) -> int:
+        return max(self.prompt_lens)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def finished(self) -> bool:
+        return all(r.done for r in self.rows)

@@ -1,0 +1,108 @@
+"""A parsed request checked against this model and server: what to decode, or a 4xx that says how to fix it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpt2edge.serve.config import MAX_STOP, ServeConfig
+from gpt2edge.serve.jobs import Sampling
+from gpt2edge.serve.protocol import ApiError, CompletionRequest
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class Plan:
+    prompts: list[str]
+    prompt_lens: list[int]
+    n: int
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    echo: bool
+
+
+def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
+    """OpenAI fields this server cannot honour are accepted only at their neutral value."""
+    if req.logprobs is not None:
+        raise ApiError(400, "logprobs are not supported yet; omit the field or send null.", "logprobs", "unsupported")
+    if req.suffix:
+        raise ApiError(400, "suffix (insertion) is not supported by GPT-2; omit it.", "suffix", "unsupported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0):
+            raise ApiError(400, f"{name} is not supported; omit it or send 0.", name, "unsupported")
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported; omit it or send {}.", "logit_bias", "unsupported")
+    if req.best_of not in (None, n):
+        raise ApiError(400, f"best_of is not supported; omit it or set it equal to n ({n}).", "best_of", "unsupported")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true.", "stream_options", "invalid_value")
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(strings) > MAX_STOP:
+        raise ApiError(400, f"stop takes at most {MAX_STOP} strings, got {len(strings)}.", "stop", "invalid_value")
+    if any(not s for s in strings):
+        raise ApiError(400, "stop strings must not be empty.", "stop", "invalid_value")
+    return tuple(strings)
+
+
+def plan_request(
+    req: CompletionRequest,
+    config: ServeConfig,
+    n_positions: int,
+    encode: Callable[[str], list[int]],
+) -> Plan:
+    """Check the request against the model (name, positions) and the server's limits; encode the prompts."""
+    if req.model is not None and req.model != config.model_name:
+        raise ApiError(
+            404,
+            f"The model '{req.model}' does not exist here; this server serves '{config.model_name}' (GET /v1/models).",
+            "model",
+            "model_not_found",
+        )
+    n = 1 if req.n is None else req.n
+    _refuse_unsupported(req, n)
+    if n > config.max_n:
+        raise ApiError(400, f"n must be at most {config.max_n} on this server, got {n}.", "n", "invalid_value")
+    prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+    if not prompts:
+        raise ApiError(400, "prompt must not be an empty list.", "prompt", "invalid_value")
+    if len(prompts) * n > config.max_batch:
+        raise ApiError(
+            400,
+            f"This request asks for {len(prompts) * n} completions ({len(prompts)} prompt(s) x n={n}); this server "
+            f"decodes at most {config.max_batch} per request. Split it into several requests.",
+            "n",
+            "invalid_value",
+        )
+    stop = _stop_strings(req.stop)
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    if max_tokens >= n_positions:
+        raise ApiError(
+            400,
+            f"max_tokens must be less than the model's {n_positions} positions (the prompt needs at least one), "
+            f"got {max_tokens}.",
+            "max_tokens",
+            "invalid_value",
+        )
+    lens = [len(encode(p)) or 1 for p in prompts]  # an empty prompt starts from <|endoftext|>
+    for i, plen in enumerate(lens):
+        if plen + max_tokens > n_positions:
+            which = "The prompt" if len(prompts) == 1 else f"Prompt {i}"
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {n_positions} tokens. {which} has {plen} tokens and "
+                f"max_tokens is {max_tokens}; shorten the prompt or lower max_tokens.",
+                "prompt",
+                "context_length_exceeded",
+            )
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    sampling = Sampling(temperature=temperature, top_p=top_p, seed=req.seed, ignore_eos=req.ignore_eos)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Plan(prompts, lens, n, max_tokens, sampling, stop, req.stream, include_usage, req.echo)

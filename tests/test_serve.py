@@ -1,0 +1,501 @@
+"""`gpt2edge serve`: the real server (uvicorn on 127.0.0.1, a free port) driven by real HTTP clients (httpx).
+
+Batching must not change a greedy row's tokens; bad input gets an OpenAI-shaped 4xx and the server stays up;
+clients that leave free their rows; nothing is retained after a storm of half-abandoned streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'gpt2edge[serve]'")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip install 'gpt2edge[serve]'")
+httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
+
+from gpt2edge.runtime import Generator  # noqa: E402
+from gpt2edge.runtime.tokenizer import TextTokenizer  # noqa: E402
+from gpt2edge.serve import ServeConfig  # noqa: E402
+from gpt2edge.serve.app import create_app  # noqa: E402
+from gpt2edge.serve.batch import take_batch  # noqa: E402
+from gpt2edge.serve.jobs import Job, Piece, Sampling  # noqa: E402
+from gpt2edge.serve.rowtext import RowText  # noqa: E402
+from gpt2edge.serve.scheduler import Scheduler  # noqa: E402
+from gpt2edge.serve.server import BackgroundServer  # noqa: E402
+
+PROMPTS = [
+    "The river rose and",
+    "Children learned to swim before they could read, and the",
+    "A",
+    "Visitors walk along the old harbour wall at dusk while",
+    "",
+    "The city",
+    "Snow fell on the quiet hills",
+    "Über café – naïve résumé",
+]
+GREEDY = dict(min_new_tokens=0, top_k=0, repetition_penalty=1.0, do_sample=False)
+
+
+class SlowGenerator(Generator):
+    """A Generator whose decode steps take at least `delay` seconds, so a test can leave mid-stream."""
+
+    delay = 0.0
+
+    def generate(self, prompt, *, callback=None, **kw):
+        def slow(step):
+            time.sleep(self.delay)
+            if callback is not None:
+                callback(step)
+
+        return super().generate(prompt, callback=slow, **kw)
+
+
+@contextmanager
+def running(model_dir: Path, delay: float = 0.0, **limits):
+    """A real uvicorn server on a thread; yields (url, scheduler); stopped on exit."""
+    config = ServeConfig(model_name="tiny", **limits)
+    gen = SlowGenerator(model_dir)
+    gen.delay = delay
+    scheduler = Scheduler(gen, config)
+    with BackgroundServer(create_app(lambda: scheduler, config)) as url:
+        yield url, scheduler
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_export) -> Generator:
+    return Generator(tiny_export)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_export):
+    with running(tiny_export, max_batch=8, batch_wait_ms=50) as (url, _):
+        yield url
+
+
+def alone(gen: Generator, prompt: str, max_tokens: int, stop=(), ignore_eos=False) -> str:
+    return gen.generate(prompt, max_new_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos, **GREEDY).text
+
+
+def post(url: str, body, timeout: float = 60) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(url + "/v1/completions", content=content, timeout=timeout)
+
+
+def parse_sse(lines) -> list:
+    """The `data:` payloads of an event stream, JSON-decoded ("[DONE]" kept as a string)."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return out
+
+
+def joined(events: list) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    return texts
+
+
+async def stream_one(client: httpx.AsyncClient, body: dict, leave_after: int | None = None) -> list:
+    """Stream a completion; with leave_after, close the connection after that many events."""
+    events = []
+    async with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line:
+                events += parse_sse([line])
+                if leave_after is not None and len(events) >= leave_after:
+                    return events
+    return events
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = httpx.get(url + "/health", timeout=10).json()
+        if (h["waiting"], h["running"]) == (0, 0) or time.monotonic() > deadline:
+            return h
+        time.sleep(0.05)
+
+
+# ---- what a completion returns --------------------------------------------------------------------------
+
+
+def test_completion_equals_generating_alone(server, ref):
+    prompts = PROMPTS[:3]
+    r = post(server, {"model": "tiny", "prompt": prompts, "max_tokens": 12, "temperature": 0, "n": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "tiny" and body["id"].startswith("cmpl-")
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    for c in body["choices"]:
+        assert c["text"] == alone(ref, prompts[c["index"] // 2], 12)
+        assert c["finish_reason"] in ("stop", "length") and c["logprobs"] is None
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == sum(len(ref.tokenizer.encode(p)) for p in prompts)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["completion_tokens"] <= 6 * 12
+
+
+def test_stream_is_sse_and_joins_to_the_plain_text(server, ref):
+    body = {"prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", server + "/v1/completions", json=dict(body, stream=True,
+                      stream_options={"include_usage": True}), timeout=60) as r:  # fmt: skip
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = parse_sse(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 20
+    assert [e["choices"][0]["finish_reason"] for e in events[:-2]][-1] == "length"
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-3])
+    plain = post(server, body).json()["choices"][0]["text"]
+    assert joined(events[:-1])[0] == plain == alone(ref, PROMPTS[1], 20, (), True)
+
+
+def test_stop_strings_cut_like_the_runtime(server, ref):
+    full = alone(ref, PROMPTS[3], 40, ignore_eos=True)
+    stop = full[12:15]  # a string that certainly occurs; the text must end right before its first occurrence
+    body = {"prompt": PROMPTS[3], "max_tokens": 40, "temperature": 0, "stop": [stop, "\u2603never"], "ignore_eos": True}
+    plain = post(server, body).json()["choices"][0]
+    assert plain["finish_reason"] == "stop"
+    assert plain["text"] == full[: full.find(stop)] == alone(ref, PROMPTS[3], 40, [stop, "\u2603never"], True)
+    events = asyncio.run(_stream(server, body))
+    assert joined(events)[0] == plain["text"]
+
+
+async def _stream(url, body, **kw):
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        return await stream_one(client, body, **kw)
+
+
+def test_echo_and_seeded_sampling(server):
+    body = {"prompt": "The city", "max_tokens": 10, "temperature": 0.9, "top_p": 0.9, "seed": 3, "echo": True}
+    a, b = post(server, body).json(), post(server, body).json()
+    assert a["choices"][0]["text"].startswith("The city")
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]  # a seeded request runs alone: reproducible
+
+
+def test_models_and_health(server):
+    models = httpx.get(server + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    assert models["data"][0]["max_model_len"] == 128
+    assert httpx.get(server + "/v1/models/tiny").json()["id"] == "tiny"
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+# ---- batching -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["tiny_export", "tiny_export_shared"])
+def test_a_batch_gives_every_row_its_tokens_alone(kind, request):
+    """Jobs queued before the scheduler starts form one left-padded batch; each row equals its run alone."""
+    folder = request.getfixturevalue(kind)
+    gen = Generator(folder)
+    config = ServeConfig(model_name="tiny", max_batch=16)
+    scheduler = Scheduler(gen, config)
+    got: dict[int, list] = {}
+    specs = [(p, 8 + 5 * i, ("e t",) if i % 3 == 0 else ()) for i, p in enumerate(PROMPTS)]
+    jobs = [
+        Job([p], [len(gen.tokenizer.encode(p)) or 1], 1, m, Sampling(temperature=0), stop,
+            got.setdefault(i, []).append, gen.tokenizer)
+        for i, (p, m, stop) in enumerate(specs)
+    ]  # fmt: skip
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    deadline = time.monotonic() + 60
+    while not all(j.finished for j in jobs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    scheduler.stop()
+    assert scheduler.stats()["batches"] == 1 and scheduler.stats()["largest_batch"] == len(PROMPTS)
+    reference = Generator(folder)
+    for i, (p, m, stop) in enumerate(specs):
+        assert all(isinstance(e, Piece) for e in got[i])
+        assert "".join(e.text for e in got[i]) == alone(reference, p, m, stop), f"row {i} ({kind})"
+
+
+def test_a_batch_waits_for_a_burst_that_is_still_arriving(tiny_export):
+    """Requests that arrive in quick succession start together, even though the first found the server idle."""
+    gen = Generator(tiny_export)
+    scheduler = Scheduler(gen, ServeConfig(model_name="tiny", batch_wait_ms=1000))  # quiet gap 0.1 s
+    scheduler.start()
+    jobs = [Job([p], [len(gen.tokenizer.encode(p))], 1, 4, Sampling(temperature=0), (), lambda e: None, gen.tokenizer)
+            for p in PROMPTS[:3]]  # fmt: skip
+    for job in jobs:
+        scheduler.submit(job)
+        time.sleep(0.01)
+    deadline = time.monotonic() + 30
+    while not all(j.finished for j in jobs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    scheduler.stop()
+    assert (scheduler.stats()["batches"], scheduler.stats()["largest_batch"]) == (1, 3)
+
+
+def test_concurrent_http_requests_are_batched_and_each_gets_its_own_text(tiny_export, ref):
+    async def main(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            bodies = [{"prompt": p, "max_tokens": 10 + i, "temperature": 0} for i, p in enumerate(PROMPTS)]
+            return await asyncio.gather(*(stream_one(client, b) for b in bodies))
+
+    with running(tiny_export, max_batch=8, batch_wait_ms=300) as (url, scheduler):
+        results = asyncio.run(main(url))
+        stats = wait_idle(url)
+    for i, events in enumerate(results):
+        assert joined(events)[0] == alone(ref, PROMPTS[i], 10 + i), f"request {i} got another text"
+    assert stats["largest_batch"] > 1  # they shared a batch
+
+
+def test_take_batch_groups_by_sampling_and_fits_positions():
+    tok = TextTokenizer.__new__(TextTokenizer)  # rows are never decoded here
+
+    def job(plen, max_tokens, n=1, **s):
+        return Job(["x"], [plen], n, max_tokens, Sampling(**s), (), lambda e: None, tok)
+
+    greedy_a, sampled, greedy_long, greedy_b, seeded = (
+        job(10, 20, temperature=0), job(5, 5), job(100, 28, temperature=0), job(3, 3, n=2, temperature=0),
+        job(5, 5, seed=1),
+    )  # fmt: skip
+    waiting = deque([greedy_a, sampled, greedy_long, greedy_b, seeded])
+    # greedy_long would need 100 + 28 > 120 positions next to greedy_a: it waits; sampled jobs wait too
+    assert take_batch(waiting, max_batch=4, n_positions=120) == [greedy_a, greedy_b]
+    assert take_batch(waiting, max_batch=4, n_positions=120) == [sampled]  # the seeded job never shares
+    assert take_batch(waiting, max_batch=4, n_positions=120) == [greedy_long]
+    assert list(waiting) == [seeded]
+    assert take_batch(deque([job(1, 1, n=3, temperature=0), job(1, 1, n=2, temperature=0)]), 4, 120)[0].n == 3
+
+
+# ---- bad input -------------------------------------------------------------------------------------------------
+
+BAD = {
+    "malformed JSON": (b'{"prompt": "a",', 400, None),
+    "not UTF-8": (b'{"prompt": "\xff\xfe"}', 400, None),
+    "not an object": (b"[1, 2]", 400, None),
+    "NaN": (b'{"prompt": "a", "temperature": NaN}', 400, None),
+    "unknown field": ({"prompt": "a", "max_token": 5}, 400, "max_token"),
+    "missing prompt": ({"max_tokens": 5}, 400, "prompt"),
+    "negative max_tokens": ({"prompt": "a", "max_tokens": -1}, 400, "max_tokens"),
+    "zero max_tokens": ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    "huge max_tokens": ({"prompt": "a", "max_tokens": 10**40}, 400, "max_tokens"),
+    "max_tokens past positions": ({"prompt": "a", "max_tokens": 128}, 400, "max_tokens"),
+    "string max_tokens": ({"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
+    "bool n": ({"prompt": "a", "n": True}, 400, "n"),
+    "n over the limit": ({"prompt": "a", "n": 9}, 400, "n"),
+    "prompts x n over max_batch": ({"prompt": ["a"] * 5, "n": 2}, 400, "n"),
+    "prompt over n_positions": ({"prompt": "word " * 200}, 400, "prompt"),
+    "prompt plus max_tokens over n_positions": ({"prompt": "a b c d e f", "max_tokens": 125}, 400, "prompt"),
+    "token-id prompt": ({"prompt": [1, 2, 3]}, 400, "prompt"),
+    "empty prompt list": ({"prompt": []}, 400, "prompt"),
+    "logprobs": ({"prompt": "a", "logprobs": 1}, 400, "logprobs"),
+    "five stop strings": ({"prompt": "a", "stop": list("abcde")}, 400, "stop"),
+    "empty stop string": ({"prompt": "a", "stop": [""]}, 400, "stop"),
+    "temperature out of range": ({"prompt": "a", "temperature": 3}, 400, "temperature"),
+    "negative seed": ({"prompt": "a", "seed": -1}, 400, "seed"),
+    "presence_penalty": ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    "stream_options without stream": ({"prompt": "a", "stream_options": {}}, 400, "stream_options"),
+    "unknown model": ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    "body over the limit": (json.dumps({"prompt": "a" * (1 << 20)}).encode(), 413, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_gets_an_openai_error_and_the_server_stays_up(server, case):
+    body, status, param = BAD[case]
+    r = post(server, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert err["message"].endswith(".") and "Traceback" not in err["message"]
+    assert post(server, {"prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+def test_unknown_route_and_method_are_openai_errors(server):
+    assert httpx.get(server + "/v1/nothing").json()["error"]["code"] == "not_found"
+    assert httpx.get(server + "/v1/completions").status_code == 405
+
+
+def test_queue_full_gets_429(tiny_export):
+    """One request decodes (slowly), one waits: with --max-queue 1 the third gets 429, and the first two finish."""
+
+    async def until(client, key, value):
+        for _ in range(500):
+            if (await client.get("/health")).json()[key] >= value:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{key} never reached {value}")
+
+    async def main(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            body = {"prompt": "a", "max_tokens": 30, "ignore_eos": True}
+            running = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            await until(client, "running", 1)
+            queued = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            await until(client, "waiting", 1)
+            refused = await client.post("/v1/completions", json=body)
+            return await running, await queued, refused
+
+    with running(tiny_export, delay=0.05, max_batch=1, max_queue=1) as (url, _):
+        first, second, third = asyncio.run(main(url))
+    assert first.status_code == second.status_code == 200
+    assert third.status_code == 429
+    assert third.json()["error"] == {
+        "message": "The server is busy (1 requests already queued); retry shortly.",
+        "type": "rate_limit_error",
+        "param": None,
+        "code": "queue_full",
+    }
+
+
+# ---- clients that leave -------------------------------------------------------------------------------------
+
+
+def test_a_client_leaving_mid_stream_frees_its_row(tiny_export, ref):
+    with running(tiny_export, delay=0.02, max_batch=1) as (url, _):
+        body = {"prompt": "The city", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+        events = asyncio.run(_stream(url, body, leave_after=2))
+        assert len(events) == 2
+        # the row was dropped mid-decode (not run to its 100 tokens), and the next client is served normally
+        assert wait_idle(url)["dropped_rows"] == 1
+        r = post(url, {"prompt": "A", "max_tokens": 5, "temperature": 0}).json()
+        assert r["choices"][0]["text"] == alone(ref, "A", 5)
+
+
+def test_a_non_streaming_client_that_times_out_frees_its_row(tiny_export):
+    with running(tiny_export, delay=0.02, max_batch=1) as (url, _):
+        with pytest.raises(httpx.ReadTimeout):
+            post(url, {"prompt": "a", "max_tokens": 100, "ignore_eos": True}, timeout=0.3)
+        assert wait_idle(url)["dropped_rows"] == 1
+
+
+def test_64_clients_half_leaving_mid_stream(tiny_export, ref):
+    """Half of 64 concurrent streams are abandoned after their first event: the rest get exactly their own
+    text, the server serves on, returns to idle, and keeps no request objects behind (three rounds)."""
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(64)]
+    expected = [alone(ref, p, 24, ignore_eos=True) for p in prompts]
+
+    async def storm(url):
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=64)) as client:
+            bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True} for p in prompts]
+            return await asyncio.gather(*(stream_one(client, b, 1 if i % 2 else None) for i, b in enumerate(bodies)))
+
+    with running(tiny_export, delay=0.005, max_batch=16, max_queue=64) as (url, scheduler):
+        rss = []
+        for _ in range(3):
+            results = asyncio.run(storm(url))
+            for i in range(0, 64, 2):
+                assert joined(results[i])[0] == expected[i], f"client {i} got another text"
+                assert results[i][-1] == "[DONE]"
+            stats = wait_idle(url)
+            assert (stats["waiting"], stats["running"]) == (0, 0)
+            gc.collect()
+            rss.append(_rss_mb())
+        assert stats["dropped_rows"] + stats["dropped_waiting"] > 0  # some really left mid-way
+        assert not [o for o in gc.get_objects() if isinstance(o, Job)]  # nothing retained
+        if rss[0] is not None:
+            assert rss[2] - rss[0] < 25, f"resident memory grew {rss} MB over rounds"
+        assert post(url, {"prompt": "A", "max_tokens": 5, "temperature": 0}).json()["choices"][0]["text"] == alone(
+            ref, "A", 5
+        )
+
+
+def _rss_mb() -> float | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    return int(re.search(r"VmRSS:\s+(\d+)", text).group(1)) / 1024
+
+
+# ---- per-row text ---------------------------------------------------------------------------------------------
+
+
+def _tokenizers(tiny_export, tmp_path):
+    """The tiny model's tokenizer, and GPT-2's real one where /work/shared has it."""
+    yield TextTokenizer(tiny_export / "tokenizer.json")
+    shared = Path("/work/shared/gpt2-tokenizer")
+    if (shared / "vocab.json").exists():
+        from tokenizers import Tokenizer, decoders, pre_tokenizers
+        from tokenizers.models import BPE
+
+        tok = Tokenizer(BPE.from_file(str(shared / "vocab.json"), str(shared / "merges.txt")))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.save(str(tmp_path / "gpt2.json"))
+        yield TextTokenizer(tmp_path / "gpt2.json")
+
+
+def test_row_text_never_splits_a_character_and_cuts_at_stop(tiny_export, tmp_path):
+    text = "Grüße aus Köln, 東京 and 🙂 emoji; naïve café."
+    for tok in _tokenizers(tiny_export, tmp_path):
+        ids = tok.encode(text)
+        # the test means something only if some character spans several tokens
+        assert any(tok.decode(ids[:k]).endswith("\ufffd") for k in range(1, len(ids)))
+        row = RowText(tok)
+        pieces = [row.push(i)[0] for i in ids] + [row.finish()]
+        assert "".join(pieces) == tok.decode(ids) == text
+        assert not any("\ufffd" in p for p in pieces)
+        for stop in ("東京", "ü", "aus K", "i; n", "🙂"):
+            row = RowText(tok, [stop, "never there"])
+            out, hit = "", False
+            for i in ids:
+                piece, hit = row.push(i)
+                out += piece
+                if hit:
+                    break
+            assert hit and out == text[: text.find(stop)], stop
+
+
+def test_cli_serve_starts_serves_and_stops(tiny_export):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpt2edge.cli", "serve", str(tiny_export), "--port", "0", "--model-name", "tiny"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"on (http://127\.0\.0\.1:\d+)", line).group(1)
+        assert httpx.get(url + "/health", timeout=10).json()["model"] == "tiny"
+        assert post(url, {"prompt": "a", "max_tokens": 3}).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+    assert rc == 0, proc.stderr.read()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["/no/such/folder"], "error: "),
+        (["{dir}", "--max-batch", "0"], "error: --max-batch must be >= 1"),
+        (["{dir}", "--max-queue", "0"], "error: --max-queue must be >= 1"),
+        (["{dir}", "--ray", "--port", "0"], "Ray Serve needs a fixed port"),
+        (["{dir}", "--replicas", "2"], "--replicas and --ray-address need --ray"),
+    ],
+)
+def test_cli_serve_refuses_bad_options_in_one_line(tiny_export, args, message):
+    from click.testing import CliRunner
+
+    from gpt2edge.cli import main
+
+    result = CliRunner().invoke(main, ["serve", *(a.format(dir=tiny_export) for a in args)])
+    assert result.exit_code != 0 and message in result.output
+    assert "Traceback" not in result.output
