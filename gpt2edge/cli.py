@@ -591,12 +591,31 @@ def parity(
     default=None,
     help="With --sweep: write a PNG of ms/token against context (plot extra).",
 )
+@click.option(
+    "--num-beams",
+    "beam_widths",
+    type=click.IntRange(min=1),
+    multiple=True,
+    help="Also time beam search at this width (repeatable: --num-beams 1 --num-beams 4): ms/token, cache reorder.",
+)
 @click.option("--vs-torch", is_flag=True, help="Also run the PyTorch source on the same workload.")
 @click.option("-m", "--model", "source", default=None, help="PyTorch source for --vs-torch [default: manifest's].")
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON on stdout.")
 @friendly_errors
 def bench(
-    model_dir, prompt_len, new_tokens, batch, threads, device, repeat, sweep, plot, vs_torch, source, as_json
+    model_dir,
+    prompt_len,
+    new_tokens,
+    batch,
+    threads,
+    device,
+    repeat,
+    sweep,
+    plot,
+    beam_widths,
+    vs_torch,
+    source,
+    as_json,
 ) -> None:
     """Prefill / decode latency of MODEL_DIR, its bandwidth and FLOP floors, measured in one run.
 
@@ -635,6 +654,11 @@ def bench(
         t["prefill_speedup"] = t["prefill_ms"] / record["prefill_ms"]
         t["decode_speedup"] = t["decode_ms_per_token"] / record["decode_ms_per_token"]
         record["torch"] = t
+    if beam_widths:
+        from gpt2edge.bench.beams import beam_rows, run_beam_bench
+
+        beams = run_beam_bench(model_dir, cfg, sorted(set(beam_widths)))
+        record["beam_search"] = [r.to_json() for r in beams]
     if sweep:
         record["sweep"] = run_sweep(model_dir, cfg)
         if plot is not None:
@@ -645,6 +669,9 @@ def bench(
         return
     for k, v in bench_rows(record):
         click.echo(f"{k:<32} {v}")
+    if beam_widths:
+        for k, v in beam_rows(beams):
+            click.echo(f"{k:<32} {v}")
     for row in record.get("sweep", []):
         click.echo(f"{'context ' + str(row['context']):<32} {row['decode_ms_per_token']:.2f} ms/token (median)")
 

@@ -231,3 +231,20 @@ def test_out_of_range_options_are_refused_by_click(tiny_export, args):
     r = bench(tiny_export, *args)
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
     assert "Invalid value for" in r.stderr and args[0] in r.stderr and "is not in the range" in r.stderr
+
+
+def test_bench_times_beam_search_per_width(tiny_export_shared):
+    from click.testing import CliRunner
+
+    from gpt2edge.cli import main
+
+    args = ["bench", str(tiny_export_shared), "--repeat", "1", "--new-tokens", "8", "--prompt-len", "8", "--json"]
+    res = CliRunner().invoke(main, [*args, "--num-beams", "4", "--num-beams", "1", "--num-beams", "4"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["beam_search"]
+    assert [r["num_beams"] for r in rows] == [1, 4] and [r["rows"] for r in rows] == [1, 4]
+    for r in rows:
+        parts = r["decode_ms_per_step"] + r["reorder_ms_per_step"] + r["select_ms_per_step"]
+        assert r["step_ms"] > 0 and r["step_ms"] == pytest.approx(parts, rel=1e-6)  # one run: the sum itself
+    bad = CliRunner().invoke(main, [*args, "--num-beams", "0"])
+    assert bad.exit_code == 2 and "--num-beams" in bad.output
