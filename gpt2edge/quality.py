@@ -20,7 +20,7 @@ import numpy as np
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import read_manifest
 from gpt2edge.runtime.generate import generate
-from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.lm import OrtLM, load_graph
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.sampling import SamplingParams
 from gpt2edge.runtime.tokenizer import TextTokenizer
@@ -183,7 +183,7 @@ def folder_side(
     tokenizer = TextTokenizer(folder.tokenizer_path)
     if tokens is None:  # before the session: a bad --text fails without any work
         tokens = stream_tokens(tokenizer, text, folder.dims["n_positions"], max_tokens)
-    lm = OrtLM(folder, device=device)
+    lm = load_graph(folder, device=device).new_lm()  # OrtLM, or StaticLM on a static-shape export
     starts, n_new = greedy_plan(len(tokens), lm.n_positions)
     greedy = [greedy_continuation(lm, tokenizer, tokens[:s], n_new) for s in starts]
     return tokens, stream_logprobs(lm, tokens), greedy, starts, folder

@@ -13,7 +13,7 @@ import numpy as np
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.conversation import ContextOverflow, Conversation
 from gpt2edge.runtime.generate import GenerationState, Step, iter_generate, length_error
-from gpt2edge.runtime.lm import LMPool, OrtGraph, OrtLM
+from gpt2edge.runtime.lm import LMPool, load_graph
 from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob, check_logprobs
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.sampling import SamplingParams
@@ -111,7 +111,7 @@ class Generator:
     ) -> None:
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
-        self.graph = OrtGraph(self.folder, device=device, threads=threads)
+        self.graph = load_graph(self.folder, device=device, threads=threads)  # OrtGraph, or a static folder's
         self._pool = LMPool(self.graph, io_binding=io_binding)
         self.lm = self._pool.primary  # the context sequential calls use
         self.defaults = self.folder.generation_defaults()
@@ -237,7 +237,7 @@ class Generator:
     def session(self, *, on_overflow: Callable[[ContextOverflow], None] | None = None) -> Conversation:
         """A conversation that keeps its KV cache across calls: each turn prefills only its new tokens
         (gpt2edge.runtime.conversation). It has its own OrtLM on this Generator's graph."""
-        return Conversation(self, OrtLM(self.graph, io_binding=self._pool.io_binding), on_overflow=on_overflow)
+        return Conversation(self, self.graph.new_lm(self._pool.io_binding), on_overflow=on_overflow)
 
     def _stream_pieces(self, state: GenerationState, result: list | None) -> Iterator[str]:
         with self._pool.lease() as lm:  # taken at the first next(), given back at the end or on close()
