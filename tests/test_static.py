@@ -194,6 +194,15 @@ def test_token_by_token_score_equals_the_dynamic_export(static_export, tiny_expo
     assert max(abs(a - b) for a, b in scored) < 1e-4
 
 
+def test_parity_report_against_the_dynamic_export(static_export, tiny_export):
+    from gpt2edge.quality import compare_folders
+
+    # the default stream (256 tokens) and greedy plan fit the 64 slots, on both sides alike
+    report = compare_folders(tiny_export, static_export)
+    assert report["tokens"] == SHAPE.capacity and report["top1_agreement"] == 1.0
+    assert report["max_abs_logprob_diff"] < 1e-4 and report["greedy_match"] == report["greedy_tokens"] > 0
+
+
 def test_bench_fits_the_capacity_and_refuses_a_larger_batch(static_export):
     from gpt2edge.bench.bench import BenchConfig, Workload
 

@@ -107,8 +107,7 @@ class Scorer:
         self.folder = folder
         self.tokenizer = TextTokenizer(folder.tokenizer_path)
         self.vocab_size = int(folder.dims["vocab_size"])
-        static = folder.graph.static  # a static-shape export holds `capacity` positions
-        self.n_positions = int(static.capacity if static else folder.dims["n_positions"])
+        self.n_positions = int(folder.n_positions)  # a static-shape export: its cache capacity
         self.device, self.threads = device, threads
         self._lm: OrtLM | None = None
         self._session = None
