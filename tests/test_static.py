@@ -151,6 +151,28 @@ def test_cli_generate_on_the_static_folder(static_export, tiny_export):
     assert r.exit_code == 1 and r.output.count("\n") == 1 and "at most 2 rows" in r.output
 
 
+def test_a_chunk_of_one_is_one_graph_for_prefill_and_decode(tiny_checkpoint, tmp_path, dynamic_gen):
+    out = tmp_path / "one"
+    r = cli("export", "-m", tiny_checkpoint, out, "--static", "1x1x32")
+    assert r.exit_code == 0, r.output
+    g = read_manifest(out)["graph"]
+    assert g["files"] == [PREFILL_FILE, WEIGHTS_FILE] and g["static"]["decode_file"] == PREFILL_FILE
+    assert symbolic_values(out / PREFILL_FILE) == []
+    gen = Generator(out)
+    assert gen.lm.graph.decode is gen.lm.graph.prefill
+    assert gen.generate(PROMPTS[0], **GREEDY).token_ids == dynamic_gen.generate(PROMPTS[0], **GREEDY).token_ids
+
+
+def test_concurrent_calls_each_get_their_own_cache(static_gen):
+    """One StaticGraph, one StaticLM (cache, mask, bindings) per concurrent call: the same tokens as alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    alone = [static_gen.generate(p, **GREEDY).token_ids for p in PROMPTS * 2]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: static_gen.generate(p, **GREEDY).token_ids, PROMPTS * 2))
+    assert together == alone
+
+
 def test_conversation_turns_equal_the_dynamic_export(static_gen, dynamic_gen):
     """A session feeds a turn's new tokens on top of its cache: chunks that start mid-cache."""
     outs = []
