@@ -83,9 +83,15 @@ def main() -> None:
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
 @click.option("--tokenizer", default=None, help="Take the tokenizer from this folder or hub id instead.")
+@click.option(
+    "--static",
+    metavar="BATCHxCHUNKxCAPACITY",
+    default=None,
+    help="Static shapes for NPUs (e.g. 1x64x1024): fixed prefill chunk and decode graphs, fixed-capacity cache.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout (the table on stderr).")
 @friendly_errors
-def export(source, out, head, kv_cache, opset, validate, atol, force, revision, tokenizer, as_json) -> None:
+def export(source, out, head, kv_cache, opset, validate, atol, force, revision, tokenizer, static, as_json) -> None:
     """Export checkpoint -m SOURCE to the folder OUT (ONNX graph, tokenizer, configs, manifest).
 
     The validation table goes to stdout (stderr with --json)."""
@@ -102,6 +108,7 @@ def export(source, out, head, kv_cache, opset, validate, atol, force, revision, 
         force=force,
         revision=revision,
         tokenizer=tokenizer,
+        static=static,
         log=report_stream(as_json),
     )
     if as_json:

@@ -35,6 +35,9 @@ ATTENTION_OPS = {"concat": "onnx", "shared": "com.microsoft.GroupQueryAttention"
 # graph.format: "onnx" (export, quantize), "ort" (ONNX Runtime's flatbuffer, for minimal builds) and "genai"
 # (an ONNX graph in onnxruntime-genai's IO contract, run by genai, not by gpt2edge's runtime); see gpt2edge.convert
 GRAPH_FORMATS = ("onnx", "ort", "genai")
+# graph.kv_cache of a static-shape export (`export --static`): a fixed-capacity cache written by position,
+# described by graph.static (StaticInfo); not a --kv-cache choice
+STATIC_KV_CACHE = "static"
 
 
 def check_relpath(value: Any, where: str) -> str:
@@ -112,6 +115,39 @@ class ModelDims:
         return asdict(self)
 
 
+def _positive_int(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and v > 0
+
+
+@dataclass(frozen=True)
+class StaticInfo:
+    """A static-shape export (graph.static): every call takes `batch` rows; the prefill graph takes `chunk`
+    tokens, the decode graph one (the same file when chunk is 1); the cache holds `capacity` positions."""
+
+    batch: int
+    chunk: int
+    capacity: int
+    prefill_file: str
+    decode_file: str
+
+    @classmethod
+    def from_json(cls, s: Any, where: str) -> StaticInfo | None:
+        if s is None:
+            return None
+        if not isinstance(s, dict):
+            raise ModelFolderError(f"{where}: graph.static must describe the static shapes; re-export the model.")
+        for k in ("batch", "chunk", "capacity"):
+            if not _positive_int(s.get(k)):
+                raise ModelFolderError(f"{where}: graph.static.{k} must be a positive integer, got {s.get(k)!r}.")
+        if s["chunk"] > s["capacity"]:
+            raise ModelFolderError(f"{where}: graph.static.chunk exceeds its capacity; re-export the model.")
+        prefill = check_relpath(s.get("prefill_file"), where)
+        decode = check_relpath(s.get("decode_file"), where)
+        if (decode == prefill) != (s["chunk"] == 1):
+            raise ModelFolderError(f"{where}: graph.static needs its own decode graph unless chunk is 1; re-export.")
+        return cls(s["batch"], s["chunk"], s["capacity"], prefill, decode)
+
+
 # optional graph fields taken as they are (then checked below)
 _GRAPH_KEYS = ("head", "kv_cache", "attention", "precision", "kv_dtype", "opset", "format")
 
@@ -130,6 +166,7 @@ class GraphInfo:
     opset: int | None = None
     decode_weight_bytes: int | None = None
     format: str = "onnx"  # GRAPH_FORMATS: "ort" and "genai" folders come from `gpt2edge convert`
+    static: StaticInfo | None = None  # set for a static-shape export (kv_cache STATIC_KV_CACHE)
 
     @classmethod
     def from_json(cls, g: Any, where: str) -> GraphInfo:
@@ -144,17 +181,35 @@ class GraphInfo:
             files=tuple(check_relpath(f, where) for f in files),
             **{k: g[k] for k in _GRAPH_KEYS if k in g},
             decode_weight_bytes=g.get("decode_weight_bytes"),
+            static=StaticInfo.from_json(g.get("static"), where),
         )
         for name, value, allowed in (
             ("head", info.head, HEAD_MODES),
-            ("kv_cache", info.kv_cache, KV_CACHE_MODES),
+            ("kv_cache", info.kv_cache, (*KV_CACHE_MODES, STATIC_KV_CACHE)),
             ("format", info.format, GRAPH_FORMATS),
         ):
             if value not in allowed:
                 raise ModelFolderError(f"{where}: unknown graph.{name} {value!r}; re-export the model.")
         if not isinstance(info.precision, str) or not isinstance(info.kv_dtype, str):
             raise ModelFolderError(f"{where}: graph.precision and graph.kv_dtype must be strings; re-export.")
+        info._check_static(where)
         return info
+
+    def _check_static(self, where: str) -> None:
+        """graph.static and kv_cache "static" come together, on a last-position ONNX graph whose files hold
+        both graphs (graph.file is the prefill graph)."""
+        s = self.static
+        if (s is None) != (self.kv_cache != STATIC_KV_CACHE):
+            raise ModelFolderError(f"{where}: graph.kv_cache 'static' needs graph.static (and back); re-export.")
+        if s is None:
+            return
+        if self.head != "last" or self.format != "onnx":
+            raise ModelFolderError(f"{where}: a static graph must be an ONNX graph with head 'last'; re-export.")
+        if self.file != s.prefill_file or s.decode_file not in self.files:
+            raise ModelFolderError(
+                f"{where}: graph.file must be graph.static.prefill_file and graph.files must hold its decode_file; "
+                "re-export the model."
+            )
 
 
 @dataclass(frozen=True)
@@ -230,6 +285,8 @@ class Manifest:
             if rel not in files:
                 raise ModelFolderError(f"{where}: {rel} is loaded but not listed in 'files'; re-export the model.")
         dims = ModelDims.from_json(data.get("dims"), where)
+        if graph.static is not None and graph.static.capacity > dims.n_positions:
+            raise ModelFolderError(f"{where}: graph.static.capacity exceeds dims.n_positions; re-export the model.")
         vocab = VocabInfo.from_json(data.get("vocab"), where, dims.vocab_size)
         if vocab is not None and vocab.kept_ids_file not in files:
             raise ModelFolderError(f"{where}: {vocab.kept_ids_file} is loaded but not listed in 'files'; trim again.")

@@ -20,7 +20,7 @@ import numpy as np
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import read_manifest
 from gpt2edge.runtime.generate import generate
-from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.lm import OrtLM, load_graph
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.sampling import SamplingParams
 from gpt2edge.runtime.tokenizer import TextTokenizer
@@ -175,16 +175,23 @@ def greedy_fields(
 
 
 def folder_side(
-    path: Path, tokens: list[int] | None, text: str | None, max_tokens: int, device: str = "cpu"
+    path: Path,
+    tokens: list[int] | None,
+    text: str | None,
+    max_tokens: int,
+    device: str = "cpu",
+    n_positions: int | None = None,
 ) -> tuple[list[int], np.ndarray, list[list[int]], list[int], ModelFolder]:
-    """Log-probs over the stream and the greedy continuations (one per start) of one export folder;
-    returns (tokens, logprobs, greedy, starts, folder)."""
+    """Log-probs over the stream and the greedy continuations (one per start) of one export folder, within
+    `n_positions` (default: the folder's; both sides of a comparison must plan alike); returns (tokens,
+    logprobs, greedy, starts, folder)."""
     folder = ModelFolder.open(path, verify=False)
+    n_positions = min(folder.n_positions, n_positions or folder.n_positions)  # a static export: its capacity
     tokenizer = TextTokenizer(folder.tokenizer_path)
     if tokens is None:  # before the session: a bad --text fails without any work
-        tokens = stream_tokens(tokenizer, text, folder.dims["n_positions"], max_tokens)
-    lm = OrtLM(folder, device=device)
-    starts, n_new = greedy_plan(len(tokens), lm.n_positions)
+        tokens = stream_tokens(tokenizer, text, n_positions, max_tokens)
+    lm = load_graph(folder, device=device).new_lm()  # OrtLM, or StaticLM on a static-shape export
+    starts, n_new = greedy_plan(len(tokens), n_positions)
     greedy = [greedy_continuation(lm, tokenizer, tokens[:s], n_new) for s in starts]
     return tokens, stream_logprobs(lm, tokens), greedy, starts, folder
 
@@ -200,8 +207,10 @@ def compare_folders(
     """Report for export folder b against reference folder a (a's tokens feed both). `variant_name`: what
     the report calls b (quantize measures a temporary folder that is renamed into place afterwards)."""
     check_comparable(Path(a), Path(b))
-    tokens, lp_a, greedy_a, starts, fa = folder_side(Path(a), None, text, max_tokens, device)
-    _, lp_b, greedy_b, _, fb = folder_side(Path(b), tokens, text, max_tokens, device)
+    # one plan for both sides: a static-shape export holds fewer positions than the model has
+    limit = min(ModelFolder.open(p, verify=False).n_positions for p in (Path(a), Path(b)))
+    tokens, lp_a, greedy_a, starts, fa = folder_side(Path(a), None, text, max_tokens, device, limit)
+    _, lp_b, greedy_b, _, fb = folder_side(Path(b), tokens, text, max_tokens, device, limit)
     if fa.info.vocab is not None or fb.info.vocab is not None:  # a trimmed head: compared on its kept ids
         from gpt2edge.trim.report import compare_trimmed
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from gpt2edge.bench.probe import last_level_cache_bytes, matmul_gflops, read_bandwidth_gbs
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.generate import generate
-from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.lm import load_graph
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.sampling import SamplingParams
 from gpt2edge.runtime.tokenizer import TextTokenizer
@@ -86,10 +86,13 @@ class Workload:
     def __init__(self, model_dir: Path, cfg: BenchConfig, fixed_lengths: bool = True):
         self.folder = ModelFolder.open(model_dir, verify=False)
         cfg.check_runs()
-        # the sweep chooses its own lengths; a fixed workload gets both lengths, fitted to the model
-        self.cfg = cfg.fitted(self.folder.dims["n_positions"]) if fixed_lengths else cfg
+        self.lm = load_graph(self.folder, device=cfg.device, threads=cfg.threads).new_lm()  # OrtLM or StaticLM
+        # the sweep chooses its own lengths; a fixed workload gets both lengths, fitted to the model (a static
+        # graph: to its cache capacity)
+        self.cfg = cfg.fitted(self.lm.n_positions) if fixed_lengths else cfg
+        if fixed_lengths:  # a batch a static graph cannot take is refused now, not after the machine probes
+            self.lm.start(self.cfg.batch, self.cfg.prompt_len + self.cfg.new_tokens - 1)
         self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
-        self.lm = OrtLM(self.folder, device=cfg.device, threads=cfg.threads)
 
     def run(self, prompt_len: int, new_tokens: int):
         params = SamplingParams(max_new_tokens=new_tokens, seed=self.cfg.seed, **SAMPLING)
@@ -143,7 +146,7 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=None) -> dict[str, Any]:
     defaults = (cfg.prompt_len or DEFAULT_PROMPT_LEN, cfg.new_tokens or DEFAULT_NEW_TOKENS)
     if (work.cfg.prompt_len, work.cfg.new_tokens) != defaults:
         print(
-            f"bench: the model has {dims['n_positions']} positions: prompt {work.cfg.prompt_len} + "
+            f"bench: the model has {work.lm.n_positions} positions: prompt {work.cfg.prompt_len} + "
             f"{work.cfg.new_tokens} new tokens (defaults shrunk to fit)",
             file=log,
         )
@@ -172,6 +175,8 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=None) -> dict[str, Any]:
     # shared: the fused attention reads the valid slots once, in place; concat: Concat reads the past and
     # attention reads the present, twice the mean context
     kv_read = (1 if work.lm.shared else 2) * kv_bytes_per_step(dims, cfg.batch, mean_context, itemsize)
+    if work.folder.graph.static is not None:  # every slot of every row: the blend reads past, writes present,
+        kv_read = 3 * kv_bytes_per_step(dims, work.lm.batch, work.lm.n_positions, itemsize)  # attention reads it
     step_bytes = weights + kv_read
     probes.append((read_bandwidth_gbs(threads), matmul_gflops()))
     bandwidths, gflops_runs = zip(*probes)
@@ -234,7 +239,7 @@ def run_sweep(model_dir: Path, cfg: BenchConfig, new_tokens: int = 8, log=None) 
     log = log or sys.stderr
     work = Workload(Path(model_dir), cfg, fixed_lengths=False)
     rows = []
-    contexts = sweep_contexts(work.folder.dims["n_positions"], new_tokens)
+    contexts = sweep_contexts(work.lm.n_positions, new_tokens)
     for context in progress(contexts, "sweep", "context", log):
         work.run(context, new_tokens)  # warm-up at this size
         steps = []

@@ -35,6 +35,11 @@ def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = 
     parent = read_manifest(src)
     _check_not_converted(src, parent)
     folder = ModelFolder.open(src, verify=False)  # the graph description, cheaply
+    if folder.graph.static is not None:
+        raise ConvertError(
+            f"{src} is a static-shape export (--static), two graphs sharing one weights file; convert --format "
+            f"{fmt} takes a dynamic export. For a mobile build, run ONNX Runtime's converter on its .onnx files."
+        )
     if fmt == "ort":
         check_ort_size(folder.model_bytes(), src)
     check_output_dir(out, force, sources=[src])  # equal to, inside or holding src: refused

@@ -17,10 +17,19 @@ from tqdm import tqdm
 import gpt2edge
 from gpt2edge.errors import ExportError
 from gpt2edge.export.checkpoint import load_checkpoint, resolve_source
-from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, check_atol, check_opset
+from gpt2edge.export.options import (
+    DEFAULT_ATOL,
+    DEFAULT_OPSET,
+    StaticShape,
+    check_atol,
+    check_opset,
+    check_static_capacity,
+    check_static_options,
+    parse_static_spec,
+)
 from gpt2edge.extras import require_extra
 from gpt2edge.folder import atomic_output_dir, check_output_dir
-from gpt2edge.manifest import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, write_manifest
+from gpt2edge.manifest import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, STATIC_KV_CACHE, write_manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
 
 if TYPE_CHECKING:
@@ -68,11 +77,13 @@ def export_model(
     force: bool = False,
     revision: str | None = None,
     tokenizer: str | None = None,
+    static: str | StaticShape | None = None,
     log=sys.stderr,
 ) -> ExportResult:
     """Export `source` (local folder or hub id) to `out`. Every check on the arguments runs before any work.
 
-    `log` receives the validation table (None: not printed)."""
+    `static` ("BATCHxCHUNKxCAPACITY" or a StaticShape): write static-shape prefill and decode graphs instead
+    (gpt2edge.export.static). `log` receives the validation table (None: not printed)."""
     require_extra("export", "export")
     out = Path(out)
     if head not in HEAD_MODES:
@@ -81,13 +92,16 @@ def export_model(
     if kv_cache not in KV_CACHE_MODES:
         raise ExportError(f"Unknown KV cache mode '{kv_cache}'; choose one of {', '.join(KV_CACHE_MODES)}.")
     check_atol(atol)
+    shape = static if isinstance(static, StaticShape) or static is None else parse_static_spec(static)
+    if shape is not None:
+        check_static_options(head, kv_cache)
     sources = [source, tokenizer]  # local ones must not overlap OUT (a hub id matches no path)
     check_output_dir(out, force, sources)
     resolved = resolve_source(source, revision)  # a missing folder, an export folder, an offline hub id: refused now
 
     # the heavy imports (torch, transformers, onnx), once the request is known to be good
     from gpt2edge.export.model import from_hf_model
-    from gpt2edge.export.onnx_graph import export_graph, io_spec
+    from gpt2edge.export.onnx_graph import export_graph
     from gpt2edge.export.validate import checks_to_json, print_checks, raise_on_failure, validate
 
     checks: list[Check] = []
@@ -97,10 +111,17 @@ def export_model(
         steps.set_postfix_str("loading checkpoint")
         ckpt = load_checkpoint(source, revision=revision, tokenizer_source=tokenizer, resolved=resolved)
         model = from_hf_model(ckpt.model, head=head, kv_cache=kv_cache)
+        if shape is not None:
+            check_static_capacity(shape, model.dims.n_positions)  # the first moment the positions are known
         steps.update()
         with atomic_output_dir(out, force=force, sources=sources) as tmp:
             steps.set_postfix_str("tracing to ONNX")
-            graph_files = export_graph(model, tmp / MODEL_FILE, opset=opset)
+            if shape is None:
+                graph_files = export_graph(model, tmp / MODEL_FILE, opset=opset)
+            else:
+                from gpt2edge.export.static import export_static
+
+                graph_files = export_static(model, tmp, shape, opset=opset)
             steps.update()
 
             steps.set_postfix_str("writing tokenizer and configs")
@@ -111,7 +132,13 @@ def export_model(
 
             if run_validation:
                 steps.set_postfix_str("validating against PyTorch")
-                checks = validate(tmp / MODEL_FILE, ckpt.model, head=head, atol=atol, kv_cache=kv_cache)
+                if shape is None:
+                    checks = validate(tmp / MODEL_FILE, ckpt.model, head=head, atol=atol, kv_cache=kv_cache)
+                else:
+                    from gpt2edge.export.static_validate import validate_static
+
+                    decode = tmp / graph_files[1 if shape.chunk > 1 else 0]
+                    checks = validate_static(tmp / graph_files[0], decode, ckpt.model, shape, atol)
                 steps.update()
                 steps.clear()
                 if log is not None:
@@ -127,19 +154,11 @@ def export_model(
                     "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "source": ckpt.source,
                     "dims": {**asdict(model.dims), "head_dim": model.dims.head_dim},
-                    "graph": {
-                        "file": MODEL_FILE,
-                        "files": graph_files,
-                        "opset": opset,
-                        "head": head,
-                        "kv_cache": kv_cache,
-                        "attention": ATTENTION_OPS[kv_cache],
-                        "precision": "fp32",
-                        "kv_dtype": "float32",
-                        "tied_lm_head": model.lm_head is None,
-                        "decode_weight_bytes": decode_weight_bytes(tmp / MODEL_FILE),
-                        **io_spec(model),
-                    },
+                    "graph": (
+                        _dynamic_graph(model, tmp, graph_files, opset)
+                        if shape is None
+                        else _static_graph(model, tmp, graph_files, opset, shape)
+                    ),
                     "tokenizer": TOKENIZER_FILE,
                     "versions": library_versions(),
                     "validation": {"atol": atol, "checks": checks_to_json(checks)} if run_validation else None,
@@ -147,3 +166,50 @@ def export_model(
             )
             steps.update()
     return ExportResult(path=out, manifest=manifest, checks=checks)
+
+
+def _dynamic_graph(model, tmp: Path, files: list[str], opset: int) -> dict[str, Any]:
+    """The manifest's graph record of the one dynamic-shape graph."""
+    from gpt2edge.export.onnx_graph import io_spec
+
+    return {
+        "file": MODEL_FILE,
+        "files": files,
+        "opset": opset,
+        "head": model.head,
+        "kv_cache": model.kv_cache,
+        "attention": ATTENTION_OPS[model.kv_cache],
+        "precision": "fp32",
+        "kv_dtype": "float32",
+        "tied_lm_head": model.lm_head is None,
+        "decode_weight_bytes": decode_weight_bytes(tmp / MODEL_FILE),
+        **io_spec(model),
+    }
+
+
+def _static_graph(model, tmp: Path, files: list[str], opset: int, shape: StaticShape) -> dict[str, Any]:
+    """The manifest's graph record of static-shape graphs: files = [prefill, (decode,) weights]; the IO
+    described is the prefill graph's (the decode graph's is the same with chunk 1)."""
+    from gpt2edge.export.static import static_io_spec
+
+    prefill, decode = files[0], files[1 if shape.chunk > 1 else 0]
+    return {
+        "file": prefill,
+        "files": files,
+        "opset": opset,
+        "head": "last",
+        "kv_cache": STATIC_KV_CACHE,
+        "attention": "onnx",
+        "precision": "fp32",
+        "kv_dtype": "float32",
+        "tied_lm_head": model.lm_head is None,
+        "decode_weight_bytes": decode_weight_bytes(tmp / decode),
+        "static": {
+            "batch": shape.batch,
+            "chunk": shape.chunk,
+            "capacity": shape.capacity,
+            "prefill_file": prefill,
+            "decode_file": decode,
+        },
+        **static_io_spec(model, shape),
+    }

@@ -1,4 +1,4 @@
-"""Static-shape graphs (`--static BATCHxCHUNKxCAPACITY`, a prototype): no symbolic dimension anywhere, for
+"""Static-shape graphs (`gpt2edge export --static BATCHxCHUNKxCAPACITY`): no symbolic dimension anywhere, for
 NNAPI / CoreML and other compilers that need every shape at load time.
 
 Contract of one graph (B = batch, C = chunk, N = capacity; every shape fixed):
@@ -16,8 +16,8 @@ the chunk's keys/values into their slots with a MatMul and a blend, so no shape 
 cache is used, and no Scatter (poorly supported by NNAPI/CoreML) is needed. Attention always spans all N
 slots, masked by attention_mask and causality on slots; the row of the last real token is picked with a
 one-hot MatMul too, so a padded last chunk needs no extra input. LayerNorm is written out (NNAPI has no
-LayerNormalization). Two graphs: prefill (chunk C) and decode (chunk 1), each with its own copy of the
-weights for now. The runtime side is gpt2edge.runtime.static_lm.StaticLM.
+LayerNormalization). Two graphs: prefill (chunk C) and decode (chunk 1; with C = 1 the prefill graph decodes
+too), whose weights are stored once, in WEIGHTS_FILE. The runtime side is gpt2edge.runtime.static_lm.
 
 Reuses ExportableGPT2's modules (same weights, same maths as the dynamic `concat` graph); model.py is not
 touched.
@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import sys
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,40 +36,25 @@ from torch import nn
 
 from gpt2edge.errors import ExportError
 from gpt2edge.export.model import ExportableGPT2
-from gpt2edge.export.onnx_graph import DEFAULT_OPSET, check_opset, io_names
+from gpt2edge.export.onnx_graph import io_names
+from gpt2edge.export.options import (
+    DEFAULT_OPSET,
+    StaticShape,
+    check_opset,
+    check_static_capacity,
+    parse_static_spec,
+)
+from gpt2edge.manifest import current_umask
 
 PREFILL_FILE = "prefill.onnx"
 DECODE_FILE = "decode.onnx"
 WEIGHTS_FILE = "weights.data"  # the weights of both graphs, each tensor stored once
 
-_SPEC = re.compile(r"^(\d+)x(\d+)x(\d+)$")
-
-
-@dataclass(frozen=True)
-class StaticShape:
-    batch: int
-    chunk: int
-    capacity: int
-
-    def __str__(self) -> str:
-        return f"{self.batch}x{self.chunk}x{self.capacity}"
-
 
 def parse_static(spec: str, n_positions: int) -> StaticShape:
     """'1x64x1024' -> StaticShape(1, 64, 1024), checked against the model's position table."""
-    m = _SPEC.match(spec.strip().lower())
-    if not m:
-        raise ExportError(f"--static wants BATCHxCHUNKxCAPACITY (e.g. 1x64x1024), got '{spec}'.")
-    shape = StaticShape(*(int(g) for g in m.groups()))
-    if min(shape.batch, shape.chunk, shape.capacity) < 1:
-        raise ExportError(f"--static {spec}: batch, chunk and capacity must be >= 1.")
-    if shape.chunk > shape.capacity:
-        raise ExportError(f"--static {spec}: the chunk ({shape.chunk}) cannot exceed the capacity ({shape.capacity}).")
-    if shape.capacity > n_positions:
-        raise ExportError(
-            f"--static {spec}: capacity {shape.capacity} exceeds the model's {n_positions} positions; "
-            f"use at most {n_positions}."
-        )
+    shape = parse_static_spec(spec)
+    check_static_capacity(shape, n_positions)
     return shape
 
 
@@ -171,9 +154,10 @@ def static_io_names(n_layer: int) -> tuple[list[str], list[str]]:
 
 
 def export_static(model: ExportableGPT2, out_dir: Path, shape: StaticShape, opset: int = DEFAULT_OPSET) -> list[str]:
-    """Write the prefill graph (chunk C) and, when C > 1, the decode graph (chunk 1) into out_dir; returns the
-    file names. With two graphs, their weights are stored once, in WEIGHTS_FILE, which both reference."""
+    """Write the prefill graph (chunk C) and, when C > 1, the decode graph (chunk 1) into out_dir, their
+    weights once in WEIGHTS_FILE; returns the file names (the prefill graph first)."""
     check_opset(opset)
+    out_dir = Path(out_dir)
     graphs = [(PREFILL_FILE, shape.chunk)] + ([(DECODE_FILE, 1)] if shape.chunk > 1 else [])
     inputs, outputs = static_io_names(model.dims.n_layer)
     for name, chunk in graphs:
@@ -192,23 +176,31 @@ def export_static(model: ExportableGPT2, out_dir: Path, shape: StaticShape, opse
                     dynamo=True,
                     verbose=False,
                 )
-                program.save(str(Path(out_dir) / name))
+                # external data from the start: a graph over 2 GB cannot be one protobuf
+                program.save(str(out_dir / name), external_data=True)
         except Exception as e:  # the exporter raises many types; name the step that failed
-            raise ExportError(f"Tracing the static {name} graph failed: {type(e).__name__}: {e}") from e
-    names = [name for name, _ in graphs]
-    return _share_weights(Path(out_dir), names) if len(names) > 1 else names
+            msg = str(e).splitlines()[0] if str(e) else ""
+            raise ExportError(f"Tracing the static {name} graph failed: {type(e).__name__}: {msg}") from e
+    return _share_weights(out_dir, [name for name, _ in graphs])
 
 
 def _share_weights(out_dir: Path, names: list[str]) -> list[str]:
     """Store the first graph's large initializers in WEIGHTS_FILE, and point every other graph's identical
-    initializers (same name, same bytes) at the same bytes: two graphs, one copy of the weights."""
+    initializers (same name, same bytes) at the same bytes: two graphs, one copy of the weights. The
+    exporter's own per-graph data files are removed."""
+    import hashlib
+
     import onnx
     from onnx.external_data_helper import set_external_data
-    from onnx.numpy_helper import to_array
 
+    def digest(t) -> str:
+        return hashlib.sha256(onnx.numpy_helper.to_array(t).tobytes()).hexdigest()
+
+    exporter_data = {p for name in names for p in out_dir.glob(name + "*.data")}
     first = onnx.load(str(out_dir / names[0]))
-    stored = {t.name: to_array(t).tobytes() for t in first.graph.initializer}
+    stored = {t.name: digest(t) for t in first.graph.initializer}
     onnx.save_model(first, str(out_dir / names[0]), save_as_external_data=True, location=WEIGHTS_FILE)
+    del first
     first = onnx.load(str(out_dir / names[0]), load_external_data=False)
     where = {
         t.name: {e.key: e.value for e in t.external_data}
@@ -218,13 +210,37 @@ def _share_weights(out_dir: Path, names: list[str]) -> list[str]:
     for name in names[1:]:
         model = onnx.load(str(out_dir / name))
         for t in model.graph.initializer:
-            if t.name in where and to_array(t).tobytes() == stored[t.name]:
+            if t.name in where and digest(t) == stored[t.name]:
                 e = where[t.name]
                 set_external_data(t, WEIGHTS_FILE, int(e.get("offset", 0)), int(e["length"]))
                 t.ClearField("raw_data")
                 t.data_location = onnx.TensorProto.EXTERNAL
         onnx.save_model(model, str(out_dir / name))
+    for p in exporter_data - {out_dir / WEIGHTS_FILE}:
+        p.unlink()
+    # onnx's C++ writer creates the data file private (0600); it gets the permissions of the folder's other files
+    (out_dir / WEIGHTS_FILE).chmod(0o666 & ~current_umask())
     return [*names, WEIGHTS_FILE]
+
+
+def static_io_spec(model: ExportableGPT2, shape: StaticShape) -> dict[str, list[dict]]:
+    """Names, dtypes and (all numeric) shapes of the prefill graph's inputs and outputs, for the manifest; the
+    decode graph's are the same with chunk 1."""
+    d = model.dims
+    B, C, N = shape.batch, shape.chunk, shape.capacity
+    kv = [B, d.n_head, N, d.head_dim]
+    inputs, outputs = static_io_names(d.n_layer)
+    first = [([B, C], inputs[0]), ([B, N], inputs[1]), ([B, C], inputs[2]), ([C], inputs[3])]
+    return {
+        "inputs": [
+            *({"name": n, "dtype": "int64", "shape": s} for s, n in first),
+            *({"name": n, "dtype": "float32", "shape": kv} for n in inputs[4:]),
+        ],
+        "outputs": [
+            {"name": outputs[0], "dtype": "float32", "shape": [B, d.vocab_size]},
+            *({"name": n, "dtype": "float32", "shape": kv} for n in outputs[1:]),
+        ],
+    }
 
 
 def symbolic_values(path: Path) -> list[str]:

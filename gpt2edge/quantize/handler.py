@@ -135,6 +135,11 @@ def quantize_model(
         origin = parent.get("conversion", {}).get("parent", {}).get("path", "?")
         raise QuantizeError(f"{src} is a converted folder; quantize the .onnx export it came from ({origin}).")
     check_sources(out, [src])  # -o equal to, inside or holding MODEL_DIR: --force would delete the input
+    if info.graph.static is not None:
+        raise QuantizeError(
+            f"{src} is a static-shape export (--static): its two graphs share one weights file, which these "
+            "rewrites do not keep; quantize for the target NPU with its own tools (see the README)."
+        )
     precision = info.graph.precision
     if precision != "fp32":
         hint = "it would not shrink it" if WIDTH[recipe.mode] >= WIDTH.get(precision, 0) else "errors would compound"

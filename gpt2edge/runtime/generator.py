@@ -16,7 +16,7 @@ from gpt2edge.runtime.beam import BeamState, SearchParams, check_search, iter_be
 from gpt2edge.runtime.conversation import ContextOverflow, Conversation
 from gpt2edge.runtime.expand import iter_generate_expanded
 from gpt2edge.runtime.generate import GenerationState, Step, iter_generate, length_error
-from gpt2edge.runtime.lm import LMPool, OrtGraph, OrtLM
+from gpt2edge.runtime.lm import LMPool, load_graph
 from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob, check_logprobs
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.sampling import SamplingParams
@@ -115,7 +115,7 @@ class Generator:
     ) -> None:
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
-        self.graph = OrtGraph(self.folder, device=device, threads=threads)
+        self.graph = load_graph(self.folder, device=device, threads=threads)  # OrtGraph, or a static folder's
         self._pool = LMPool(self.graph, io_binding=io_binding)
         self.lm = self._pool.primary  # the context sequential calls use
         self.defaults = self.folder.generation_defaults()
@@ -299,7 +299,7 @@ class Generator:
     def session(self, *, on_overflow: Callable[[ContextOverflow], None] | None = None) -> Conversation:
         """A conversation that keeps its KV cache across calls: each turn prefills only its new tokens
         (gpt2edge.runtime.conversation). It has its own OrtLM on this Generator's graph."""
-        return Conversation(self, OrtLM(self.graph, io_binding=self._pool.io_binding), on_overflow=on_overflow)
+        return Conversation(self, self.graph.new_lm(self._pool.io_binding), on_overflow=on_overflow)
 
     def _stream_pieces(self, state: GenerationState, result: list | None) -> Iterator[str]:
         with self._pool.lease() as lm:  # taken at the first next(), given back at the end or on close()

@@ -18,6 +18,7 @@ from gpt2edge.errors import DeviceError, ModelFolderError
 from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.session import ORT_DEVICE, create_session
+from gpt2edge.runtime.static_lm import StaticGraph
 
 
 class OrtGraph:
@@ -27,6 +28,11 @@ class OrtGraph:
     """
 
     def __init__(self, folder: ModelFolder, device: str = "cpu", threads: int | None = None) -> None:
+        if folder.graph.static is not None:
+            raise ModelFolderError(
+                f"{folder.path} is a static-shape export (--static); load it with gpt2edge.runtime.lm.load_graph "
+                "(or Generator), which runs it with StaticLM."
+            )
         self.folder = folder
         self.device = device
         self.shared = folder.kv_cache == "shared"
@@ -57,6 +63,18 @@ class OrtGraph:
                 "export or trim the model again."
             )
         return kept
+
+    def new_lm(self, io_binding: bool = True) -> OrtLM:
+        """A generation context of its own on this graph (LMPool's factory)."""
+        return OrtLM(self, io_binding=io_binding)
+
+
+def load_graph(folder: ModelFolder, device: str = "cpu", threads: int | None = None) -> OrtGraph | StaticGraph:
+    """The folder's graph, loaded as its manifest says: a StaticGraph for a static-shape export, else an
+    OrtGraph. Either one's `new_lm()` makes a generation context (OrtLM or StaticLM, one contract)."""
+    if folder.graph.static is not None:
+        return StaticGraph.from_folder(folder, device=device, threads=threads)
+    return OrtGraph(folder, device=device, threads=threads)
 
 
 class OrtLM:
@@ -255,13 +273,17 @@ class LMPool:
     """
 
     def __init__(
-        self, graph: OrtGraph | None, io_binding: bool = True, keep_idle: int = 4, factory: Callable | None = None
+        self,
+        graph: OrtGraph | StaticGraph | None,
+        io_binding: bool = True,
+        keep_idle: int = 4,
+        factory: Callable | None = None,
     ) -> None:
         self.graph = graph
         self.io_binding = io_binding
         self.keep_idle = max(1, keep_idle)
-        # what makes one context: an OrtLM on `graph` by default (static graphs bring their own runner)
-        self._factory = factory or (lambda: OrtLM(self.graph, io_binding=self.io_binding))
+        # what makes one context: the graph's own kind (OrtLM, or StaticLM on a static graph) by default
+        self._factory = factory or (lambda: self.graph.new_lm(self.io_binding))
         self._lock = threading.Lock()  # guards the two lists below; held for list operations only
         self._created = 0
         self._idle: list[tuple[int, OrtLM]] = []  # (creation number, lm), sorted

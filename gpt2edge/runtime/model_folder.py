@@ -87,6 +87,12 @@ class ModelFolder:
         return self.info.graph.kv_cache
 
     @property
+    def n_positions(self) -> int:
+        """Positions one generation can hold: the model's, or a static-shape export's cache capacity."""
+        s = self.info.graph.static
+        return s.capacity if s is not None else self.info.dims.n_positions
+
+    @property
     def kv_dtype(self) -> type:
         return _DTYPES[self.info.graph.kv_dtype]
 

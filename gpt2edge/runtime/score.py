@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.lm import OrtLM, load_graph
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.session import create_session
 from gpt2edge.runtime.tokenizer import TextTokenizer
@@ -107,7 +107,7 @@ class Scorer:
         self.folder = folder
         self.tokenizer = TextTokenizer(folder.tokenizer_path)
         self.vocab_size = int(folder.dims["vocab_size"])
-        self.n_positions = int(folder.dims["n_positions"])
+        self.n_positions = int(folder.n_positions)  # a static-shape export: its cache capacity
         self.device, self.threads = device, threads
         self._lm: OrtLM | None = None
         self._session = None
@@ -198,7 +198,8 @@ class Scorer:
     def _window_token_by_token(self, ids: list[int], w: Window) -> list[float]:
         """Prefill the window's context up to its first target, then feed each target through the cache."""
         if self._lm is None:
-            self._lm = OrtLM(self.folder, device=self.device, threads=self.threads)
+            # OrtLM, or StaticLM on a static-shape export
+            self._lm = load_graph(self.folder, device=self.device, threads=self.threads).new_lm()
         lm = self._lm
         lm.start(1, w.end - w.begin)
         ctx = ids[w.begin : w.first_target]  # (n_ctx,) tokens whose next-token log-probs are not needed

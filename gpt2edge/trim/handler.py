@@ -56,6 +56,8 @@ def check_request(src: Path, out: Path, keep_from: Sequence[Path], keep_ids: Pat
             f"{src} is already vocabulary-trimmed ({info.vocab.kept} of {info.vocab.full} tokens); trim its "
             f"untrimmed parent ({info.raw.get('trim', {}).get('parent', {}).get('path', '?')}) instead."
         )
+    if info.graph.static is not None:
+        raise TrimError(f"{src} is a static-shape export (--static); trim the dynamic export instead.")
     if info.graph.head != "last":
         raise TrimError(
             f"{src} is a --head all (scoring) export, which needs every token's probability; trim a generation "
