@@ -345,3 +345,10 @@ def test_static_marker_and_description_come_together(static_export):
     m["graph"]["head"] = "all"
     with pytest.raises(ModelFolderError, match="head 'last'"):
         Manifest.from_json(m)
+
+
+def test_beams_and_several_samples_are_refused_on_a_static_folder(static_gen):
+    with pytest.raises(GenerationError, match="static-shape export"):
+        static_gen.generate("The river", num_beams=2, max_new_tokens=4)
+    with pytest.raises(GenerationError, match="static-shape export"):
+        static_gen.generate("The river", num_return_sequences=2, do_sample=True, max_new_tokens=4)

@@ -245,6 +245,11 @@ class Generator:
         if not prompts:
             raise GenerationError("No prompt given.")
         encoded = self._encode(prompts, truncate, params)
+        if self.folder.kv_cache == "static":  # fixed rows: no beam rows to expand or reorder
+            raise GenerationError(
+                f"{self.folder.path} is a static-shape export (fixed batch and cache); beam search and "
+                "num_return_sequences need a dynamic export (without --static)."
+            )
         with self._pool.lease() as lm:
             if search.num_beams > 1:
                 state = BeamState(prompts=encoded, params=params, search=search)
