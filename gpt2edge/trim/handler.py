@@ -35,7 +35,7 @@ def eos_ids(src: Path, info: Manifest) -> tuple[int, ...]:
             continue
         try:
             eos = json.loads(resolve_inside(src, name).read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             continue
         eos = eos if isinstance(eos, list) else [eos]
         if eos and all(type(e) is int and 0 <= e < info.dims.vocab_size for e in eos):
@@ -96,7 +96,7 @@ def trim_vocab(
     else:
         keep = keep_from_corpus(tokenizer, V, eos, [Path(p) for p in keep_from], top)
 
-    with tqdm(total=3 if report else 2, desc="trim-vocab", unit="step", file=sys.stderr, leave=False) as bar:
+    with tqdm(total=3 if report else 2, desc="trim-vocab", unit="step", file=sys.stderr, leave=False, disable=None) as bar:
         trimmed = trim_head(onnx.load(str(resolve_inside(src, info.graph.file))), keep.ids, V)
         bar.update()
         with atomic_output_dir(out, force=force, sources=[src]) as tmp:
