@@ -96,7 +96,8 @@ def trim_vocab(
     else:
         keep = keep_from_corpus(tokenizer, V, eos, [Path(p) for p in keep_from], top)
 
-    with tqdm(total=3 if report else 2, desc="trim-vocab", unit="step", file=sys.stderr, leave=False, disable=None) as bar:
+    bar_opts = dict(desc="trim-vocab", unit="step", file=sys.stderr, leave=False, disable=None)  # a TTY only
+    with tqdm(total=3 if report else 2, **bar_opts) as bar:
         trimmed = trim_head(onnx.load(str(resolve_inside(src, info.graph.file))), keep.ids, V)
         bar.update()
         with atomic_output_dir(out, force=force, sources=[src]) as tmp:
