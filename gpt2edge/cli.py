@@ -17,7 +17,7 @@ from gpt2edge.errors import Gpt2EdgeError
 from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, SUPPORTED_OPSETS
 from gpt2edge.extras import require_extra
 from gpt2edge.manifest import HEAD_MODES, KV_CACHE_MODES
-from gpt2edge.prompt_input import FORMATS
+from gpt2edge.prompt_input import FORMATS, read_text_file
 from gpt2edge.quantize.handler import ACCURACY_LEVELS, HEAD_BITS, MODES
 from gpt2edge.quantize.primitives import BLOCK_SIZES
 
@@ -31,6 +31,13 @@ def friendly_errors(fn):
             return fn(*args, **kwargs)
         except Gpt2EdgeError as e:
             click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        except MemoryError as e:  # e.g. numpy cannot allocate the KV cache of 10^7 beams
+            click.echo(
+                f"error: out of memory ({e or 'allocation failed'}); ask for less (fewer prompts, beams or samples, "
+                "a smaller -n), or free memory.",
+                err=True,
+            )
             sys.exit(1)
 
     return wrapper
@@ -505,7 +512,7 @@ def quantize(
 
     require_extra("quantize", "quantize")
     recipe = make_recipe(mode, block_size, accuracy_level, head_bits, keep_head_fp32, symmetric)
-    text = text_file.read_text() if text_file else None
+    text = read_text_file(text_file) if text_file else None
     manifest = quantize_model(
         model_dir, out, recipe, force=force, text=text, report=not no_report, log=report_stream(as_json)
     )
@@ -551,7 +558,7 @@ def parity(
         raise click.UsageError("Give either a second export folder or -m SOURCE.")
     if source is not None:
         require_extra("export", "parity -m")
-    text = text_file.read_text() if text_file else None
+    text = read_text_file(text_file) if text_file else None
     if source is not None:
         from gpt2edge.export.reference import compare_with_source
 
@@ -797,7 +804,7 @@ def trim_vocab(model_dir, out, keep_from, top, keep_ids, text_file, max_tokens, 
     """Write a variant of MODEL_DIR whose head scores only the kept tokens (always EOS and every single byte)."""
     from gpt2edge.trim.handler import trim_vocab as run_trim
 
-    text = text_file.read_text() if text_file else None
+    text = read_text_file(text_file) if text_file else None
     manifest = run_trim(
         model_dir,
         out,

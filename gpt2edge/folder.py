@@ -39,7 +39,7 @@ def is_export_folder(path: Path) -> bool:
     """True for a folder that holds a gpt2edge manifest: what `export/quantize --force` may replace."""
     try:
         data = json.loads((Path(path) / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(data, dict) and data.get("format") == FORMAT
 

@@ -369,7 +369,7 @@ def load_manifest(folder: Path) -> Manifest:
     resolve_inside(folder, MANIFEST_NAME)
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise ModelFolderError(f"{path} is not valid JSON ({e}); re-export the model.") from e
     return Manifest.from_json(data, str(path))
 

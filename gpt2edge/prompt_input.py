@@ -42,11 +42,20 @@ def decode_utf8(data: bytes, where: str) -> str:
         ) from None
 
 
+def read_text_file(path: str | Path, what: str = "--text") -> str:
+    """A text option's file (quantize/parity/trim-vocab --text) as UTF-8 text, or one line saying why not."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise GenerationError(f"Cannot read the {what} file {path} ({e.strerror or e}).") from None
+    return decode_utf8(data, f"The {what} file {path}")
+
+
 def _json_prompt(line: str) -> str | None:
     """The "prompt" string of a JSON-object line, else None."""
     try:
         obj = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep, so not a prompt object either
         return None
     prompt = obj.get("prompt") if isinstance(obj, dict) else None
     return prompt if isinstance(prompt, str) else None

@@ -111,9 +111,9 @@ def genai_config(
 
 def tokenizer_config(tokenizer_json: Path, generation: dict[str, Any], n_positions: int) -> dict[str, Any]:
     """genai's tokenizer reads tokenizer.json plus this file (the class and the special tokens by text)."""
-    from tokenizers import Tokenizer
+    from gpt2edge.runtime.tokenizer import load_tokenizer
 
-    tok = Tokenizer.from_file(str(tokenizer_json))
+    tok = load_tokenizer(tokenizer_json)
     eos_ids = _token_ids(generation.get("eos_token_id"))  # id 0 is a valid id: test for presence, not truth
     eos = tok.id_to_token(eos_ids[0]) if eos_ids else None
     if eos is None:

@@ -42,6 +42,13 @@ def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = 
         )
     if fmt == "ort":
         check_ort_size(folder.model_bytes(), src)
+    if fmt == "genai" and folder.info.vocab is not None:
+        # genai has no kept-id map: it would read column k of the trimmed head as token id k
+        v = folder.info.vocab
+        raise ConvertError(
+            f"{src} is vocabulary-trimmed ({v.kept} of {v.full} tokens) and onnxruntime-genai cannot map its "
+            "log-prob columns back to token ids; convert the untrimmed folder, or use --format ort."
+        )
     check_output_dir(out, force, sources=[src])  # equal to, inside or holding src: refused
     verify_files(src, parent)  # every checksum, before any work
     with atomic_output_dir(out, force=force) as tmp:

@@ -56,9 +56,12 @@ def _check_local_folder(path: Path) -> None:
     if not cfg_path.is_file():
         raise CheckpointError(f"{path} has no config.json; point -m at a Hugging Face checkpoint folder.")
     try:
-        model_type = json.loads(cfg_path.read_text()).get("model_type")
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path} is not valid JSON ({e}).") from e
+        config = json.loads(cfg_path.read_text())
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, nested too deep
+        raise CheckpointError(f"{cfg_path} is not valid JSON ({e}); save the model again.") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfg_path} is not a JSON object; save the model again.")
+    model_type = config.get("model_type")
     _check_model_type(model_type, str(path))
     if not any((path / name).is_file() for name in WEIGHT_FILES):
         raise CheckpointError(
@@ -71,7 +74,7 @@ def _refuse_export_folder(path: Path) -> None:
     """An export folder has a config.json too; say what it is instead of 'has no weights'."""
     try:
         manifest = json.loads((path / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return
     if isinstance(manifest, dict) and manifest.get("format") == FORMAT:
         origin = (manifest.get("source") or {}).get("model")

@@ -40,7 +40,7 @@ def make_random_checkpoint(
     import torch
     from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
-    from gpt2edge.export.checkpoint import load_tokenizer
+    from gpt2edge.export.checkpoint import _quiet_transformers, load_tokenizer
 
     if size not in SIZES:
         raise CheckpointError(f"Unknown size '{size}'; choose one of {', '.join(SIZES)}.")
@@ -55,7 +55,10 @@ def make_random_checkpoint(
     config = GPT2Config(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, **shape)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).eval()
-    with atomic_output_dir(Path(out), force=force, sources=[tokenizer_dir], kind=is_checkpoint_folder) as tmp:
+    with (
+        atomic_output_dir(Path(out), force=force, sources=[tokenizer_dir], kind=is_checkpoint_folder) as tmp,
+        _quiet_transformers(),  # its "Writing model shards" bar on a terminal only
+    ):
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, do_sample=False).save_pretrained(tmp)

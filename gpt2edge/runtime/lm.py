@@ -17,7 +17,7 @@ import onnxruntime as ort
 from gpt2edge.errors import DeviceError, ModelFolderError
 from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
 from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.session import ORT_DEVICE, create_session
+from gpt2edge.runtime.session import ORT_DEVICE, create_session, quiet_run_options, run_errors
 from gpt2edge.runtime.static_lm import StaticGraph
 
 
@@ -47,10 +47,32 @@ class OrtGraph:
         d = folder.dims
         self.n_layer, self.n_head, self.head_dim = d["n_layer"], d["n_head"], d["head_dim"]
         self.vocab_size, self.n_positions = d["vocab_size"], d["n_positions"]
-        self.kept_ids = self._kept_ids()  # a vocabulary-trimmed head's K columns, as full ids (else None)
+        self.run_options = quiet_run_options()
         self.past_names = [i.name for i in self.session.get_inputs()][3:]
+        self._check_cache_inputs()  # before any cache is sized from the manifest's dims
+        self.kept_ids = self._kept_ids()  # a vocabulary-trimmed head's K columns, as full ids (else None)
         self.present_names = [o.name for o in self.session.get_outputs()][1:]
         self.kv_dtype = folder.kv_dtype
+
+    def _check_cache_inputs(self) -> None:
+        """The graph's past inputs are the manifest's n_layer x (key, value) of (batch, n_head, past, head_dim) in its
+        kv_dtype: a manifest edited or copied from another model is refused here, not by ONNX Runtime mid-decode."""
+        dtype = {"float32": "tensor(float)", "float16": "tensor(float16)"}.get(self.folder.graph.kv_dtype)
+        past = self.session.get_inputs()[3:]
+        for i in past:
+            dims = list(i.shape) if len(i.shape) == 4 else [None, -1, None, -1]
+            fixed = [(g, w) for g, w in ((dims[1], self.n_head), (dims[3], self.head_dim)) if isinstance(g, int)]
+            if any(g != w for g, w in fixed) or (dtype is not None and i.type != dtype):
+                raise ModelFolderError(
+                    f"{self.folder.path}: the graph's KV cache input {i.name} is {i.shape} {i.type}, but its manifest "
+                    f"says n_head {self.n_head}, head_dim {self.head_dim}, kv_dtype {self.folder.graph.kv_dtype}; "
+                    "export the model again."
+                )
+        if len(past) != 2 * self.n_layer:
+            raise ModelFolderError(
+                f"{self.folder.path}: the graph has {len(past)} KV cache inputs but its manifest says n_layer "
+                f"{self.n_layer} ({2 * self.n_layer} inputs); export the model again."
+            )
 
     def _kept_ids(self) -> np.ndarray | None:
         """The folder's kept ids (gpt2edge trim-vocab), checked against the width of the graph's log-probs."""
@@ -165,7 +187,8 @@ class OrtLM:
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """(B, S) ids, (B, past+S) mask, (B, S) positions -> (B, V) float32 log-probs of the next token over the
         full vocabulary; a trimmed head's dropped ids get -inf, so samplers and results keep full token ids."""
-        lp = self._forward_graph(input_ids, attention_mask, position_ids)
+        with run_errors(self.folder.graph_path):
+            lp = self._forward_graph(input_ids, attention_mask, position_ids)
         return lp if self.kept_ids is None else self.to_full_vocab(lp)
 
     def to_full_vocab(self, lp: np.ndarray) -> np.ndarray:
@@ -183,7 +206,7 @@ class OrtLM:
         if not self.io_binding:
             feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
             feed.update(zip(self.past_names, self.cache.tensors(self.past_len) if self.shared else self._presents))
-            out = self.session.run(None, feed)
+            out = self.session.run(None, feed, self.graph.run_options)
             if self.shared:
                 self.cache.write(out[1:], self.past_len)
             else:
@@ -202,7 +225,7 @@ class OrtLM:
             self._bind_step(inputs, S)
             self._bound_seq = S if self.shared else 0
         self._bind_mask(attention_mask)  # the one input whose shape grows every step
-        self.session.run_with_iobinding(b)
+        self.session.run_with_iobinding(b, self.graph.run_options)
         self.cache.after_step(self.past_len, S)
         self.past_len += S
         lp = self._logprobs
@@ -230,10 +253,11 @@ class OrtLM:
                 for past, present, view in zip(self.past_names, self.present_names, cache):
                     b.bind_input(past, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
                     b.bind_output(present, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
-                self.session.run_with_iobinding(b)
+                self.session.run_with_iobinding(b, self.graph.run_options)
                 lp = b.get_outputs()[0].numpy()
             else:
-                lp, *presents = self.session.run(None, {**feed, **dict(zip(self.past_names, cache))})
+                past = dict(zip(self.past_names, cache))
+                lp, *presents = self.session.run(None, {**feed, **past}, self.graph.run_options)
                 for view, present in zip(cache, presents):
                     view[...] = present
             out[r] = lp[0] if lp.ndim == 2 else lp[0, -1]

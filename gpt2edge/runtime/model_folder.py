@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gpt2edge.errors import ModelFolderError
+from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import (
     ATTENTION_OPS,
     GENERATION_CONFIG,
@@ -21,6 +21,7 @@ from gpt2edge.manifest import (
     resolve_inside,
     verify_files,
 )
+from gpt2edge.runtime.sampling_params import SamplingParams
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -107,10 +108,11 @@ class ModelFolder:
         p = resolve_inside(self.path, GENERATION_CONFIG)
         try:
             data = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise ModelFolderError(f"{p} cannot be read as JSON ({e}); re-export the model.") from e
         if not isinstance(data, dict):
             raise ModelFolderError(f"{p} is not a JSON object; re-export the model.")
+        _check_generation_defaults(data, p, self.dims.vocab_size)
         return data
 
     def model_bytes(self) -> int:
@@ -134,6 +136,34 @@ class ModelFolder:
                 "describes; trim the model again."
             )
         return ids
+
+
+_TOKEN_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id")
+_NOT_DEFAULTS = ("eos_token_id", "stop", "seed")  # SamplingParams fields a generation config does not set
+
+
+def _check_generation_defaults(data: dict, path: Path, vocab_size: int) -> None:
+    """Token ids in range and every generation option valid, named by this file: a value the user never typed
+    must not surface later as a traceback or as an error about a flag they did not pass."""
+    for key in _TOKEN_KEYS:
+        v = data.get(key)
+        ids = v if isinstance(v, list) and key == "eos_token_id" else [v]
+        if v is not None and not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+            listed = " (or a list of them)" if key == "eos_token_id" else ""
+            raise ModelFolderError(
+                f"{path}: {key} must be a token id from 0 to {vocab_size - 1}{listed}, got {v!r}; fix the file or "
+                "export the model again."
+            )
+    knobs = {
+        f.name: data[f.name]
+        for f in fields(SamplingParams)
+        if f.name not in _NOT_DEFAULTS and data.get(f.name) is not None
+    }
+    try:
+        SamplingParams(**knobs)
+    except GenerationError as e:
+        raise ModelFolderError(f"{path}: {e} Fix the file or export the model again.") from e
+
 
 def _check_graph_format(path: Path, fmt: str) -> None:
     """The runtime runs .onnx and .ort graphs; a genai folder is for onnxruntime-genai (its logits differ)."""

@@ -26,7 +26,7 @@ import numpy as np
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.lm import OrtLM, load_graph
 from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.session import create_session
+from gpt2edge.runtime.session import create_session, quiet_run_options, run_errors
 from gpt2edge.runtime.tokenizer import TextTokenizer
 
 METHODS = ("auto", "head-all", "token-by-token")
@@ -191,7 +191,8 @@ class Scorer:
         empty = np.zeros((1, d["n_head"], past_len, d["head_dim"]), dtype=self.folder.kv_dtype)
         for inp in self._session.get_inputs()[3:]:
             feed[inp.name] = empty
-        lp = self._session.run(["logprobs"], feed)[0][0]  # (T, V)
+        with run_errors(self.folder.graph_path):
+            lp = self._session.run(["logprobs"], feed, quiet_run_options())[0][0]  # (T, V)
         rows = np.arange(w.first_target - 1, w.end - 1) - w.begin
         return [float(x) for x in lp[rows, ids[w.first_target : w.end]]]
 

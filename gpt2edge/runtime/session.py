@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
-from gpt2edge.errors import DeviceError
+from gpt2edge.errors import DeviceError, ModelFolderError
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # IO binding names the memory of each device this way
@@ -15,6 +18,36 @@ ORT_DEVICE = {"cpu": "cpu", "cuda": "cuda"}
 # more intra-op threads than cores only slows a matmul down; allow some oversubscription, refuse the absurd
 # (ONNX Runtime starts every requested thread: 100000 of them is gigabytes of stacks)
 MAX_THREADS = max(os.cpu_count() or 1, 256)
+
+
+def ort_message(e: BaseException) -> str:
+    """The first line of an ONNX Runtime error, without its '[ONNXRuntimeError] : 7 : INVALID_PROTOBUF :' prefix."""
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return lines[0].rsplit(" : ", 1)[-1].strip()[:300]
+
+
+# what InferenceSession.run raises: RuntimeError under IO binding, ORT's own types (no common base) otherwise
+ORT_RUN_ERRORS = (RuntimeError, _ort_state.Fail, _ort_state.InvalidArgument, _ort_state.RuntimeException)
+
+
+def quiet_run_options() -> ort.RunOptions:
+    """Run options that keep ONNX Runtime from logging a failed run itself: run_errors reports it, in one line."""
+    opts = ort.RunOptions()
+    opts.log_severity_level = 4  # fatal only
+    return opts
+
+
+@contextlib.contextmanager
+def run_errors(graph: Path) -> Iterator[None]:
+    """An ONNX Runtime failure while running `graph` (an index past the graph's positions or vocabulary, a
+    shape it does not take) as one ModelFolderError: the folder's manifest or files do not describe the graph."""
+    try:
+        yield
+    except ORT_RUN_ERRORS as e:
+        raise ModelFolderError(
+            f"ONNX Runtime failed running {graph} ({ort_message(e)}); the manifest (dims such as n_positions or "
+            "vocab_size) or the tokenizer does not match the graph: export the model again."
+        ) from e
 
 
 def available_devices() -> list[str]:
@@ -58,7 +91,13 @@ def create_session(
         # said explicitly rather than left to the file suffix; the .ort graph was optimized when converted
         opts.add_session_config_entry("session.load_model_format", "ORT")
     providers = [PROVIDERS[device]] if device == "cpu" else [PROVIDERS[device], PROVIDERS["cpu"]]
-    sess = ort.InferenceSession(str(graph), sess_options=opts, providers=providers)
+    try:
+        sess = ort.InferenceSession(str(graph), sess_options=opts, providers=providers)
+    except Exception as e:  # ORT's own exception types (InvalidProtobuf, Fail, ...) share no base but Exception
+        raise ModelFolderError(
+            f"ONNX Runtime cannot load {graph} on {device} ({ort_message(e)}); if the file was changed or "
+            "truncated, export the model again (the checksum check, on unless --no-verify, names such a file)."
+        ) from e
     if PROVIDERS[device] not in sess.get_providers():
         # ORT falls back to CPU when CUDA libraries fail to load; say so instead of running slowly
         raise DeviceError(

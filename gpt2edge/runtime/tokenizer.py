@@ -9,12 +9,26 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from gpt2edge.errors import ModelFolderError
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """tokenizer.json through `tokenizers`; a damaged file is a ModelFolderError (its own error is a bare Exception)."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ModelFolderError(
+            f"{path} is not a readable tokenizer.json ({reason}); export the model again (or copy its tokenizer.json "
+            "back)."
+        ) from e
+
 
 class TextTokenizer:
     """Encode prompts and decode ids with the exact tokenizer the model was exported with."""
 
     def __init__(self, path: Path):
-        self._tok = Tokenizer.from_file(str(path))
+        self._tok = load_tokenizer(path)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

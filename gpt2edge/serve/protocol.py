@@ -78,7 +78,7 @@ def parse_request(body: bytes) -> CompletionRequest:
         raise ApiError(400, message, code="invalid_encoding") from None
     try:
         obj = json.loads(text, parse_constant=_no_constants)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise ApiError(400, f"The request body is not valid JSON ({e}).", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")

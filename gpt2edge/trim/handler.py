@@ -35,7 +35,7 @@ def eos_ids(src: Path, info: Manifest) -> tuple[int, ...]:
             continue
         try:
             eos = json.loads(resolve_inside(src, name).read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             continue
         eos = eos if isinstance(eos, list) else [eos]
         if eos and all(type(e) is int and 0 <= e < info.dims.vocab_size for e in eos):
@@ -98,7 +98,8 @@ def trim_vocab(
     else:
         keep = keep_from_corpus(tokenizer, V, eos, [Path(p) for p in keep_from], top)
 
-    with tqdm(total=3 if report else 2, desc="trim-vocab", unit="step", file=sys.stderr, leave=False) as bar:
+    bar_opts = dict(desc="trim-vocab", unit="step", file=sys.stderr, leave=False, disable=None)  # a TTY only
+    with tqdm(total=3 if report else 2, **bar_opts) as bar:
         trimmed = trim_head(onnx.load(str(resolve_inside(src, info.graph.file))), keep.ids, V)
         bar.update()
         with atomic_output_dir(out, force=force, sources=[src]) as tmp:

@@ -18,6 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer, pre_tokenizers
 
 from gpt2edge.errors import TrimError
+from gpt2edge.runtime.tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def read_id_list(path: Path) -> list[int]:
     if stripped.startswith("["):
         try:
             items = json.loads(stripped)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: arrays nested too deep
             raise TrimError(f"{path} is not a valid JSON array of token ids ({e}).") from e
     else:
         items = stripped.replace(",", " ").split()
@@ -134,7 +135,7 @@ def keep_from_corpus(
     """The tokens the corpus uses (its `top` most frequent when given), plus bytes, EOS and special tokens."""
     if top is not None and top < 1:
         raise TrimError(f"--top must be >= 1, got {top}.")
-    tok = Tokenizer.from_file(str(tokenizer_json))
+    tok = load_tokenizer(tokenizer_json)
     texts, skipped = corpus_texts(corpus)
     counts = token_counts(tok, texts, vocab_size)
     seen = np.flatnonzero(counts)
@@ -167,5 +168,5 @@ def keep_from_ids(tokenizer_json: Path, vocab_size: int, eos: Sequence[int], pat
             f"{path} does not keep the end-of-text token (id {', '.join(map(str, missing))}); add it, or the trimmed "
             "model could never end a text."
         )
-    tok = Tokenizer.from_file(str(tokenizer_json))
+    tok = load_tokenizer(tokenizer_json)
     return _finish(ids, tok, vocab_size, eos, (), {"keep_ids": str(Path(path).resolve()), "listed": len(set(ids))})
