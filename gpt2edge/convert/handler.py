@@ -37,6 +37,13 @@ def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = 
     folder = ModelFolder.open(src, verify=False)  # the graph description, cheaply
     if fmt == "ort":
         check_ort_size(folder.model_bytes(), src)
+    if fmt == "genai" and folder.kept_ids() is not None:
+        # genai reads logits column j as token j; a trimmed head's columns are kept_ids.npy's ids
+        raise ConvertError(
+            f"{src} has a vocabulary-trimmed head ({len(folder.kept_ids())} of {folder.dims['vocab_size']} tokens, "
+            "gpt2edge trim-vocab) that onnxruntime-genai cannot map back to token ids; convert the untrimmed "
+            "export, or use --format ort (gpt2edge's runtime maps the ids)."
+        )
     check_output_dir(out, force, sources=[src])  # equal to, inside or holding src: refused
     verify_files(src, parent)  # every checksum, before any work
     with atomic_output_dir(out, force=force) as tmp:
