@@ -304,6 +304,7 @@ def generate(
     from gpt2edge.runtime import Generator
 
     _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, interactive, truncate, sequential)
+    _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping)
     try:
         # prompts are read and checked before the model is loaded
         read_stdin = lambda: sys.stdin.buffer.read()  # noqa: E731
@@ -755,6 +756,16 @@ def _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, i
         raise click.UsageError("-i reads its turns from stdin; give the first prompt as text, not '-'.")
     if logprobs is not None and not as_json:
         raise click.UsageError("--logprobs needs --json (the log-probs are part of the JSON output).")
+
+
+def _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping):
+    """A session continues one sequence: beam search options given with -i would be silently dropped."""
+    given = dict(num_beams=num_beams, num_return_sequences=num_return_sequences, length_penalty=length_penalty,
+                 early_stopping=early_stopping)  # fmt: skip
+    names = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+    if interactive and names:
+        raise click.UsageError(f"-i continues one sequence per turn; drop {', '.join(names)} (beam search and "
+                               "several sequences run without -i).")  # fmt: skip
 
 
 @main.command("trim-vocab")
