@@ -827,7 +827,9 @@ def trim_vocab(model_dir, out, keep_from, top, keep_ids, text_file, max_tokens, 
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; 0.0.0.0 exposes the server.")
-@click.option("--port", type=int, default=8000, show_default=True, help="Port (0: any free port, printed).")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port (0: any free port, printed)."
+)
 @click.option("--model-name", default=None, help="Name in /v1/models and requests [default: the folder's name].")
 @click.option("--max-batch", type=int, default=16, show_default=True, help="Rows (prompts x n) decoded together.")
 @click.option("--max-queue", type=int, default=128, show_default=True, help="Requests waiting; more get 429.")

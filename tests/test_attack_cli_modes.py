@@ -18,3 +18,17 @@ def test_interactive_refuses_beam_search_options(tiny_export, extra):
     assert out.exit_code == 2, out.output
     assert "-i" in out.output and extra[0] in out.output
     assert "Traceback" not in out.output
+
+
+@pytest.mark.parametrize("port", ["65536", "99999", "-1"])
+def test_serve_refuses_a_port_outside_0_to_65535(tiny_export, port, monkeypatch):
+    """Out of range, the OS took the port modulo 65536 and the server listened on another port than asked."""
+    import gpt2edge.serve.server as server
+
+    def started(*args, **kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(server, "serve_forever", started)
+    out = CliRunner().invoke(main, ["serve", str(tiny_export), "--port", port])
+    assert out.exit_code == 2 and "--port" in out.output and "65535" in out.output, out.output
+    assert "Traceback" not in out.output
