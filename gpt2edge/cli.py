@@ -238,8 +238,18 @@ SEEDS = click.IntRange(0, 2**63 - 1)
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); not included in the output.")
 @click.option("--ignore-eos", is_flag=True, help="Keep going past the end-of-text token.")
 @click.option("--truncate", is_flag=True, help="Keep the end of a prompt that does not fit instead of failing.")
-@click.option("--num-beams", type=int, default=None, help="Beam search with this many beams (1 = off) [default: 1].")
-@click.option("--num-return-sequences", type=int, default=None, help="Sequences per prompt (<= --num-beams).")
+@click.option(
+    "--num-beams",
+    type=int,
+    default=None,
+    help="Beam search with this many beams (1 = off) [default: the model's generation_config.json, else 1].",
+)
+@click.option(
+    "--num-return-sequences",
+    type=int,
+    default=None,
+    help="Sequences per prompt (<= --num-beams) [default: the model's generation_config.json, else 1].",
+)
 @click.option("--length-penalty", type=float, default=None, help="Beam score = logprob / len**this [default: 1.0].")
 @click.option(
     "--early-stopping",
@@ -302,6 +312,7 @@ def generate(
     """
     from gpt2edge.prompt_input import collect_prompts
     from gpt2edge.runtime import Generator
+    from gpt2edge.runtime.beam import search_params
 
     _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, interactive, truncate, sequential)
     _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping)
@@ -349,7 +360,8 @@ def generate(
             early_stopping=early_stopping,
         )
         stream = not (no_stream or as_json)
-        if any(v is not None for v in search.values()):
+        # generation_config.json may ask for beams or several sequences too: Generator.generate follows it
+        if search_params(gen.defaults, **search).expands:
             interrupted = _generate_search(gen, texts, {**kwargs, **search}, as_json)
         elif sequential or len(texts) == 1:
             interrupted = _generate_each(gen, texts, kwargs, stream, as_json)

@@ -32,3 +32,34 @@ def test_serve_refuses_a_port_outside_0_to_65535(tiny_export, port, monkeypatch)
     out = CliRunner().invoke(main, ["serve", str(tiny_export), "--port", port])
     assert out.exit_code == 2 and "--port" in out.output and "65535" in out.output, out.output
     assert "Traceback" not in out.output
+
+
+@pytest.fixture(scope="module")
+def beams_by_default(tiny_export, tmp_path_factory):
+    """A folder whose generation_config.json asks for beam search and two sequences (as some hub models do)."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("attack-gc") / "beams"
+    shutil.copytree(tiny_export, out)
+    path = out / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "num_beams": 3, "num_return_sequences": 2}))
+    return out
+
+
+@pytest.mark.parametrize("mode", [[], ["--no-stream"], ["--json"], ["-p", "The river"]])
+def test_cli_follows_beam_search_from_generation_config_like_the_python_api(beams_by_default, mode):
+    import json
+
+    from gpt2edge.runtime import Generator
+
+    ref = Generator(beams_by_default, verify=False).generate(["Once"], max_new_tokens=4)[0]
+    args = ["generate", str(beams_by_default), "--no-verify", "-p", "Once", "-n", "4", *mode]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 0, out.output
+    assert "Traceback" not in out.output
+    if mode == ["--json"]:
+        rows = json.loads(out.stdout)["results"]
+        assert [r["token_ids"] for r in rows] == [r.token_ids for r in ref]
+    else:
+        assert all(f"Once{r.text}" in out.stdout for r in ref)  # both sequences, best first
