@@ -63,3 +63,12 @@ def test_cli_follows_beam_search_from_generation_config_like_the_python_api(beam
         assert [r["token_ids"] for r in rows] == [r.token_ids for r in ref]
     else:
         assert all(f"Once{r.text}" in out.stdout for r in ref)  # both sequences, best first
+
+
+def test_several_greedy_sequences_error_names_the_cli_flag_that_fixes_it(tiny_export):
+    """--temperature alone does not turn sampling on in the CLI (a note says so): the fix named must be one that
+    works, and following it must work."""
+    args = ["generate", str(tiny_export), "-p", "hi", "-n", "2", "--num-return-sequences", "2"]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 1 and "--do-sample" in out.output and "--temperature" not in out.output, out.output
+    assert CliRunner().invoke(main, [*args, "--do-sample"]).exit_code == 0

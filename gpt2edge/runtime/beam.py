@@ -89,7 +89,7 @@ def check_search(search: SearchParams, params: SamplingParams) -> None:
         )
     if search.num_beams == 1 and search.num_return_sequences > 1 and params.greedy:
         raise GenerationError(
-            f"num_return_sequences={search.num_return_sequences} needs sampling (do_sample=True, --temperature) "
+            f"num_return_sequences={search.num_return_sequences} needs sampling (--do-sample; do_sample=True) "
             "or beam search (--num-beams >= it): greedy decoding returns one sequence per prompt."
         )
 
