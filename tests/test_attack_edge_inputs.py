@@ -1,0 +1,41 @@
+"""Inputs at the edge of what the types allow: a temperature so small that every score overflows, and text
+that is a Python str but not valid Unicode (lone surrogates: from argv's surrogateescape or a JSON "\\ud800")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gpt2edge.cli import main
+from gpt2edge.errors import GenerationError
+from gpt2edge.runtime import Generator
+from gpt2edge.runtime.sampling import SamplingParams, warp_row
+
+
+@pytest.mark.parametrize("t", [1e-45, 1e-40, 1e-30])
+def test_a_tiny_temperature_is_the_greedy_limit_not_an_error(t):
+    row = np.log(np.array([0.1, 0.6, 0.3], dtype=np.float32))
+    ids, probs = warp_row(row, SamplingParams(do_sample=True, temperature=t, top_k=0))
+    assert ids[probs.argmax()] == 1 and probs.max() == pytest.approx(1.0)
+
+
+def test_generate_with_a_subnormal_temperature_equals_greedy(tiny_export):
+    g = Generator(tiny_export)
+    greedy = g.generate("The river", max_new_tokens=6, do_sample=False)
+    tiny = g.generate("The river", max_new_tokens=6, do_sample=True, temperature=1e-45, seed=0)
+    assert tiny.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("where", ["prompt", "stop", "ban"])
+def test_lone_surrogates_are_a_one_line_error(tiny_export, where):
+    g = Generator(tiny_export)
+    kw = {"prompt": "caf\udcff"} if where == "prompt" else {"prompt": "hi", where: ["x\ud800"]}
+    with pytest.raises(GenerationError, match="Unicode"):
+        g.generate(kw.pop("prompt"), max_new_tokens=2, **kw)
+
+
+@pytest.mark.parametrize("flag", ["--stop", "--ban"])
+def test_cli_non_utf8_stop_or_ban_is_a_one_line_error(tiny_export, flag):
+    out = CliRunner().invoke(main, ["generate", str(tiny_export), "-p", "hi", "-n", "2", flag, "x\udcff"])
+    assert out.exit_code == 1 and out.output.startswith("error:") and "Traceback" not in out.output, out.output
