@@ -39,3 +39,15 @@ def test_lone_surrogates_are_a_one_line_error(tiny_export, where):
 def test_cli_non_utf8_stop_or_ban_is_a_one_line_error(tiny_export, flag):
     out = CliRunner().invoke(main, ["generate", str(tiny_export), "-p", "hi", "-n", "2", flag, "x\udcff"])
     assert out.exit_code == 1 and out.output.startswith("error:") and "Traceback" not in out.output, out.output
+
+
+@pytest.mark.parametrize(
+    "body", [b'{"prompt": "\\ud800"}', b'{"prompt": ["ok", "a\\udfff"]}', b'{"prompt": "hi", "stop": ["\\ud83d"]}']
+)
+def test_serve_refuses_json_escaped_lone_surrogates_with_a_400(body):
+    from gpt2edge.serve.protocol import ApiError, parse_request
+
+    with pytest.raises(ApiError) as e:
+        parse_request(body)
+    assert e.value.status == 400 and e.value.code == "invalid_encoding" and "surrogate" in e.value.message
+    assert parse_request(b'{"prompt": "caf\\u00e9 \\ud83d\\ude00"}').prompt == "caf\u00e9 \U0001f600"  # a pair is fine
