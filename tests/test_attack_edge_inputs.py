@@ -51,3 +51,17 @@ def test_serve_refuses_json_escaped_lone_surrogates_with_a_400(body):
         parse_request(body)
     assert e.value.status == 400 and e.value.code == "invalid_encoding" and "surrogate" in e.value.message
     assert parse_request(b'{"prompt": "caf\\u00e9 \\ud83d\\ude00"}').prompt == "caf\u00e9 \U0001f600"  # a pair is fine
+
+
+def test_search_parameters_take_numpy_scalars_like_the_sampling_parameters(tiny_export):
+    """SamplingParams takes np.int64 / np.float32; the beam search parameters refused them with "must be an
+    integer >= 1, got 2"."""
+    g = Generator(tiny_export)
+    ref = g.generate("hi", max_new_tokens=3, num_beams=3, num_return_sequences=2, length_penalty=1.5)
+    got = g.generate(
+        "hi", max_new_tokens=np.int64(3), num_beams=np.int64(3), num_return_sequences=np.int32(2),
+        length_penalty=np.float32(1.5),
+    )  # fmt: skip
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    with pytest.raises(GenerationError, match="num_beams"):
+        g.generate("hi", max_new_tokens=3, num_beams=True)  # a bool is not a width
