@@ -252,8 +252,18 @@ SEEDS = click.IntRange(0, 2**63 - 1)
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); not included in the output.")
 @click.option("--ignore-eos", is_flag=True, help="Keep going past the end-of-text token.")
 @click.option("--truncate", is_flag=True, help="Keep the end of a prompt that does not fit instead of failing.")
-@click.option("--num-beams", type=int, default=None, help="Beam search with this many beams (1 = off) [default: 1].")
-@click.option("--num-return-sequences", type=int, default=None, help="Sequences per prompt (<= --num-beams).")
+@click.option(
+    "--num-beams",
+    type=int,
+    default=None,
+    help="Beam search with this many beams (1 = off) [default: the model's generation_config.json, else 1].",
+)
+@click.option(
+    "--num-return-sequences",
+    type=int,
+    default=None,
+    help="Sequences per prompt (<= --num-beams) [default: the model's generation_config.json, else 1].",
+)
 @click.option("--length-penalty", type=float, default=None, help="Beam score = logprob / len**this [default: 1.0].")
 @click.option(
     "--early-stopping",
@@ -316,8 +326,10 @@ def generate(
     """
     from gpt2edge.prompt_input import collect_prompts
     from gpt2edge.runtime import Generator
+    from gpt2edge.runtime.beam import search_params
 
     _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, interactive, truncate, sequential)
+    _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping)
     try:
         # prompts are read and checked before the model is loaded
         read_stdin = lambda: sys.stdin.buffer.read()  # noqa: E731
@@ -362,7 +374,8 @@ def generate(
             early_stopping=early_stopping,
         )
         stream = not (no_stream or as_json)
-        if any(v is not None for v in search.values()):
+        # generation_config.json may ask for beams or several sequences too: Generator.generate follows it
+        if search_params(gen.defaults, **search).expands:
             interrupted = _generate_search(gen, texts, {**kwargs, **search}, as_json)
         elif sequential or len(texts) == 1:
             interrupted = _generate_each(gen, texts, kwargs, stream, as_json)
@@ -771,6 +784,16 @@ def _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, i
         raise click.UsageError("--logprobs needs --json (the log-probs are part of the JSON output).")
 
 
+def _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping):
+    """A session continues one sequence: beam search options given with -i would be silently dropped."""
+    given = dict(num_beams=num_beams, num_return_sequences=num_return_sequences, length_penalty=length_penalty,
+                 early_stopping=early_stopping)  # fmt: skip
+    names = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+    if interactive and names:
+        raise click.UsageError(f"-i continues one sequence per turn; drop {', '.join(names)} (beam search and "
+                               "several sequences run without -i).")  # fmt: skip
+
+
 @main.command("trim-vocab")
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True, help="New export folder.")
@@ -830,7 +853,9 @@ def trim_vocab(model_dir, out, keep_from, top, keep_ids, text_file, max_tokens, 
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; 0.0.0.0 exposes the server.")
-@click.option("--port", type=int, default=8000, show_default=True, help="Port (0: any free port, printed).")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port (0: any free port, printed)."
+)
 @click.option("--model-name", default=None, help="Name in /v1/models and requests [default: the folder's name].")
 @click.option("--max-batch", type=int, default=16, show_default=True, help="Rows (prompts x n) decoded together.")
 @click.option("--max-queue", type=int, default=128, show_default=True, help="Requests waiting; more get 429.")

@@ -7,7 +7,6 @@ bookkeeping (beam_search.py) is transformers' algorithm, so fp32 exports return 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from gpt2edge.runtime.expand import prefill_expanded
 from gpt2edge.runtime.generate import GenerationState, Step, decode_one_token
 from gpt2edge.runtime.lm import OrtLM
 from gpt2edge.runtime.sampling import SamplingParams, apply_processors
+from gpt2edge.runtime.sampling_params import _is_int, _is_real
 from gpt2edge.runtime.tokenizer import TextStream, TextTokenizer
 
 SEARCH_KEYS = ("num_beams", "num_return_sequences", "length_penalty", "early_stopping")
@@ -39,15 +39,20 @@ class SearchParams:
     early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_beams, int) or self.num_beams < 1:
-            raise GenerationError(f"num_beams must be an integer >= 1 (1 = no beam search), got {self.num_beams}.")
+        if not _is_int(self.num_beams) or self.num_beams < 1:
+            raise GenerationError(f"num_beams must be an integer >= 1 (1 = no beam search), got {self.num_beams!r}.")
         n = self.num_return_sequences
-        if not isinstance(n, int) or n < 1:
-            raise GenerationError(f"num_return_sequences must be an integer >= 1, got {n}.")
-        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+        if not _is_int(n) or n < 1:
+            raise GenerationError(f"num_return_sequences must be an integer >= 1, got {n!r}.")
+        if not _is_real(self.length_penalty):
             raise GenerationError(
-                f"length_penalty must be a finite number (> 0 favours longer beams), got {self.length_penalty}."
+                f"length_penalty must be a finite number (> 0 favours longer beams), got {self.length_penalty!r}."
             )
+        # NumPy scalars (np.int64, np.float32) as SamplingParams takes them, held as Python numbers
+        object.__setattr__(self, "num_beams", int(self.num_beams))
+        object.__setattr__(self, "num_return_sequences", int(n))
+        object.__setattr__(self, "length_penalty", float(self.length_penalty))
+        n = self.num_return_sequences
         if self.early_stopping not in (True, False, "never"):
             raise GenerationError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}.")
         if self.num_beams > 1 and n > self.num_beams:
@@ -89,7 +94,7 @@ def check_search(search: SearchParams, params: SamplingParams) -> None:
         )
     if search.num_beams == 1 and search.num_return_sequences > 1 and params.greedy:
         raise GenerationError(
-            f"num_return_sequences={search.num_return_sequences} needs sampling (do_sample=True, --temperature) "
+            f"num_return_sequences={search.num_return_sequences} needs sampling (--do-sample; do_sample=True) "
             "or beam search (--num-beams >= it): greedy decoding returns one sequence per prompt."
         )
 

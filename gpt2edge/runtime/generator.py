@@ -20,7 +20,7 @@ from gpt2edge.runtime.lm import LMPool, load_graph
 from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob, check_logprobs
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.sampling import SamplingParams
-from gpt2edge.runtime.tokenizer import TextTokenizer
+from gpt2edge.runtime.tokenizer import TextTokenizer, check_unicode
 
 # generation_config.json keys that map one-to-one onto SamplingParams
 _CONFIG_KEYS = (
@@ -85,7 +85,7 @@ def _stop_strings(stop: str | Sequence[str] | None, what: str = "Stop strings") 
     bad = [s for s in stops if not isinstance(s, str) or not s]
     if bad:
         raise GenerationError(f"{what} must be non-empty strings, got {bad[0]!r}.")
-    return stops
+    return tuple(check_unicode(s, f"{what[:-1]} {s!r}") for s in stops)
 
 
 class Generator:

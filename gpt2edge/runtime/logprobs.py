@@ -73,7 +73,9 @@ def check_logprobs(n: int | None, vocab_size: int) -> None:
 
 
 def top_ids(row: np.ndarray, n: int) -> np.ndarray:
-    """Ids of the n largest entries of a (V,) row, largest first; ties ordered by id."""
+    """Ids of the n largest entries of a (V,) row, largest first; ties ordered by id. Tokens of probability 0
+    (-inf: the ids a vocabulary-trimmed head dropped) are never listed, so fewer than n may come back."""
+    n = min(n, int(np.count_nonzero(row > -np.inf)))  # the impossible tokens sort last: cut them off
     if n <= 0:
         return np.empty(0, dtype=np.int64)
     cand = np.arange(row.size) if n >= row.size else np.argpartition(-row, n - 1)[:n]

@@ -117,8 +117,16 @@ def softmax(vals: np.ndarray) -> np.ndarray:
 
 
 def apply_temperature(row: np.ndarray, temperature: float) -> np.ndarray:
-    """TemperatureLogitsWarper: float32 division, as torch divides a float32 tensor by a Python float."""
-    return row if temperature == 1.0 else row / np.float32(temperature)
+    """TemperatureLogitsWarper: float32 division, as torch divides a float32 tensor by a Python float. A
+    temperature so small (1e-45) that every score overflows to -inf gives its T -> 0 limit, the best token(s),
+    where torch would have nothing left to sample."""
+    if temperature == 1.0:
+        return row
+    with np.errstate(over="ignore"):  # overflow to -inf is the division's honest float32 result
+        out = row / np.float32(temperature)
+    if out.max() == NEG_INF and row.max() > NEG_INF:
+        out = np.where(row == row.max(), np.float32(0.0), NEG_INF).astype(np.float32)
+    return out
 
 
 def top_k_pool(vals: np.ndarray, k: int) -> np.ndarray:

@@ -129,7 +129,23 @@ class Scorer:
                 f"The tokenizer produced id {top} but the model has {self.vocab_size} tokens: the folder's "
                 "tokenizer.json does not belong to its graph; re-export the model."
             )
+        self._check_kept(ids[1:])  # token 0 is never scored
         return ids
+
+    def _check_kept(self, ids: Sequence[int]) -> None:
+        """A vocabulary-trimmed head gives its dropped ids probability 0: a text using one has an infinite
+        perplexity, which says nothing; refuse it and say which token, before any model work."""
+        kept = self.folder.kept_ids()
+        if kept is None:
+            return
+        keep = set(kept.tolist())
+        dropped = [i for i in ids if i not in keep]
+        if dropped:
+            raise GenerationError(
+                f"The text uses {len(dropped)} token(s) that {self.folder.path}'s vocabulary-trimmed head dropped "
+                f"(first: {self.tokenizer.decode([dropped[0]])!r}, id {dropped[0]}), so its perplexity would be "
+                "infinite; score with the untrimmed export it was trimmed from (manifest trim.parent)."
+            )
 
     def score(
         self, text: str, max_length: int | None = None, stride: int | None = None, method: str = "auto"
@@ -150,6 +166,7 @@ class Scorer:
             )
         max_length, stride = check_plan(self.n_positions, max_length, stride)
         ids = [int(i) for i in ids]
+        self._check_kept(ids[1:])
         plan = windows(len(ids), max_length, stride)
         window_fn = self._window_head_all if method == "head-all" else self._window_token_by_token
         logprobs: list[float | None] = [None] * len(ids)

@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from gpt2edge.errors import ModelFolderError
+from gpt2edge.errors import GenerationError, ModelFolderError
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
@@ -24,6 +24,19 @@ def load_tokenizer(path: Path) -> Tokenizer:
         ) from e
 
 
+def check_unicode(text: str, what: str = "The text") -> str:
+    """A str can hold lone surrogates (argv's undecodable bytes, a JSON "\\ud800") that no tokenizer or UTF-8
+    output takes: refuse them in one line. Returns the text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(
+            f"{what} is not valid Unicode (lone surrogate U+{ord(text[e.start]):04X} at character {e.start}, e.g. "
+            "an undecodable byte); pass UTF-8 text."
+        ) from None
+    return text
+
+
 class TextTokenizer:
     """Encode prompts and decode ids with the exact tokenizer the model was exported with."""
 
@@ -31,7 +44,7 @@ class TextTokenizer:
         self._tok = load_tokenizer(path)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(check_unicode(text), add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)

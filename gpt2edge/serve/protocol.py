@@ -82,10 +82,20 @@ def parse_request(body: bytes) -> CompletionRequest:
         raise ApiError(400, f"The request body is not valid JSON ({e}).", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    _refuse_lone_surrogates(obj)
     try:
         return CompletionRequest.model_validate(obj)
     except ValidationError as e:
         raise _as_api_error(e) from None
+
+
+def _refuse_lone_surrogates(obj: dict[str, Any]) -> None:
+    """A JSON escape such as "\\ud800" decodes to a str that is not Unicode text: no tokenizer takes it."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        message = "The request holds a lone UTF-16 surrogate escape (e.g. \\ud800); send valid Unicode text."
+        raise ApiError(400, message, code="invalid_encoding") from None
 
 
 def _as_api_error(e: ValidationError) -> ApiError:
