@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import shutil
+from pathlib import Path, PurePosixPath
 
 import onnx
 
+from gpt2edge.manifest import Manifest, resolve_inside
 from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD
 
 
@@ -27,3 +29,16 @@ def save_model(model: onnx.ModelProto, path: Path) -> list[str]:
         return [path.name, data]
     onnx.save_model(model, str(path))
     return [path.name]
+
+
+def write_variant(model: onnx.ModelProto, parent: Manifest, src: Path, tmp: Path) -> list[str]:
+    """A variant folder's files in `tmp`: `model` where the parent keeps its graph, and the parent's other files
+    (tokenizer, configs) copied unchanged. Returns the graph files written, relative to the folder."""
+    graph_dir = PurePosixPath(parent.graph.file).parent  # "." unless the parent keeps its graph in a subfolder
+    (tmp / graph_dir).mkdir(parents=True, exist_ok=True)
+    files = [(graph_dir / f).as_posix() for f in save_model(model, tmp / parent.graph.file)]
+    for name in parent.files:
+        if name not in parent.graph.files:
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(resolve_inside(src, name), tmp / name)
+    return files

@@ -6,11 +6,10 @@ and configs, measures the quality report against the parent, and writes the mani
 
 from __future__ import annotations
 
-import shutil
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -187,16 +186,10 @@ def quantize_model(
         del model
         bar.update()
         with atomic_output_dir(out, force=force, sources=[src]) as tmp:
-            from gpt2edge.quantize.graph import save_model
+            from gpt2edge.quantize.graph import write_variant
 
-            graph_dir = PurePosixPath(info.graph.file).parent  # "." unless the parent keeps its graph in a subfolder
-            (tmp / graph_dir).mkdir(parents=True, exist_ok=True)
-            files = [(graph_dir / f).as_posix() for f in save_model(variant, tmp / info.graph.file)]
+            files = write_variant(variant, info, src, tmp)
             del variant
-            for name in info.files:
-                if name not in info.graph.files:  # tokenizer and configs, unchanged
-                    (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(resolve_inside(src, name), tmp / name)
             bar.update()
             manifest = write_manifest(tmp, _variant_manifest(parent, src, recipe, files, tmp))
             if report:

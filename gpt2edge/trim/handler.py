@@ -8,11 +8,10 @@ against the parent (gpt2edge.quality, which compares a trimmed folder on its kep
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -83,7 +82,7 @@ def trim_vocab(
     import onnx
 
     from gpt2edge.quality import compare_folders, print_report
-    from gpt2edge.quantize.graph import save_model
+    from gpt2edge.quantize.graph import write_variant
     from gpt2edge.trim.graph import trim_head
 
     src, out = Path(src), Path(out)
@@ -103,14 +102,8 @@ def trim_vocab(
         trimmed = trim_head(onnx.load(str(resolve_inside(src, info.graph.file))), keep.ids, V)
         bar.update()
         with atomic_output_dir(out, force=force, sources=[src]) as tmp:
-            graph_dir = PurePosixPath(info.graph.file).parent  # "." unless the parent keeps its graph in a subfolder
-            (tmp / graph_dir).mkdir(parents=True, exist_ok=True)
-            files = [(graph_dir / f).as_posix() for f in save_model(trimmed, tmp / info.graph.file)]
+            files = write_variant(trimmed, info, src, tmp)
             del trimmed
-            for name in info.files:
-                if name not in info.graph.files:  # tokenizer and configs, unchanged
-                    (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(resolve_inside(src, name), tmp / name)
             np.save(tmp / KEPT_IDS_FILE, keep.ids, allow_pickle=False)
             bar.update()
             manifest = write_manifest(tmp, _trimmed_manifest(info, src, keep, files, tmp))
