@@ -15,6 +15,7 @@ from gpt2edge.runtime.generate import GenerationState, Step, iter_generate, leng
 from gpt2edge.runtime.lm import LMPool, OrtGraph
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.sampling import SamplingParams
+from gpt2edge.runtime.speculative import SpecState, Speculator
 from gpt2edge.runtime.tokenizer import TextTokenizer
 
 # generation_config.json keys that map one-to-one onto SamplingParams
@@ -88,12 +89,23 @@ class Generator:
         threads: int | None = None,
         verify: bool = True,
         io_binding: bool = True,
+        draft: str | Path | None = None,
+        prompt_lookup: int | None = None,
+        draft_tokens: int | None = None,
     ) -> None:
+        """draft / prompt_lookup / draft_tokens: speculative decoding (gpt2edge.runtime.speculative): a draft
+        model folder with the target's tokenizer, or the longest n-gram prompt lookup matches; draft_tokens
+        fixes k (default: adaptive). Output as without them: the same greedy tokens, the same distribution."""
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
         self.graph = OrtGraph(self.folder, device=device, threads=threads)
         self._pool = LMPool(self.graph, io_binding=io_binding)
         self.lm = self._pool.primary  # the context sequential calls use
+        self.speculator = None
+        if draft is not None or prompt_lookup is not None or draft_tokens is not None:
+            self.speculator = Speculator(
+                self.folder, draft, prompt_lookup, draft_tokens, device, threads, verify, io_binding
+            )
         self.defaults = self.folder.generation_defaults()
         eos = _as_tuple(self.defaults.get("eos_token_id"))
         self.eos_token_id = eos
@@ -155,10 +167,10 @@ class Generator:
         Thread-safe (see the class docstring). `stop`: a string or a list of strings."""
         params = self.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
         batch = [prompt] if isinstance(prompt, str) else list(prompt)
-        state = GenerationState(prompts=self._encode(batch, truncate, params), params=params)
+        state = self._state(self._encode(batch, truncate, params), params)
         with self._pool.lease() as lm:
             try:
-                for step in iter_generate(lm, self.tokenizer, state, self.pad_token_id):
+                for step in self._steps(lm, state):
                     if callback is not None:
                         callback(step)
             except KeyboardInterrupt:
@@ -184,11 +196,24 @@ class Generator:
         KV cache from its first piece until it is exhausted or closed."""
         params = self.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
         prompts = self._encode([prompt], truncate, params)
-        return self._stream_pieces(GenerationState(prompts=prompts, params=params), result)
+        return self._stream_pieces(self._state(prompts, params), result)
+
+    def _state(self, prompts: list[list[int]], params: SamplingParams) -> GenerationState:
+        """A fresh generation's state; a speculative one checks its parameters here, before any output."""
+        if self.speculator is None:
+            return GenerationState(prompts=prompts, params=params)
+        self.speculator.check(prompts, params)
+        return SpecState(prompts=prompts, params=params)
+
+    def _steps(self, lm, state: GenerationState) -> Iterator[Step]:
+        """The decode loop: plain, or speculative when the Generator has a draft or prompt lookup."""
+        if self.speculator is not None:
+            return self.speculator.iter_generate(lm, self.tokenizer, state)
+        return iter_generate(lm, self.tokenizer, state, self.pad_token_id)
 
     def _stream_pieces(self, state: GenerationState, result: list | None) -> Iterator[str]:
         with self._pool.lease() as lm:  # taken at the first next(), given back at the end or on close()
-            for _ in iter_generate(lm, self.tokenizer, state, self.pad_token_id):
+            for _ in self._steps(lm, state):
                 piece = state.texts[0].take()  # the same matcher decided the finish reason
                 if piece:
                     yield piece
@@ -210,6 +235,8 @@ class Generator:
             "wall_ms": state.wall_ms,
             "tokens_per_s": n_tokens / (state.wall_ms / 1e3) if state.wall_ms > 0 else 0.0,
         }
+        if isinstance(state, SpecState):  # acceptance rate, tokens per target step, ...
+            timings.update(state.stats.timings())
         results = []
         for prompt, ids, reason, text in zip(state.prompts, state.generated, state.finish_reasons, state.texts):
             text.finish()  # an interrupted row may end inside a character
