@@ -5,9 +5,11 @@ Subpackages are imported inside each command so `gpt2edge generate` never import
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -133,6 +135,19 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
 @click.option("--no-stream", is_flag=True, help="Print the text once it is complete.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (implies --no-stream).")
+@click.option(
+    "--draft",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Speculative decoding with this draft model folder (same tokenizer, smaller model).",
+)
+@click.option(
+    "--prompt-lookup",
+    type=int,
+    default=None,
+    help="Speculative decoding with drafts copied from the context: the longest n-gram to match (e.g. 2).",
+)
+@click.option("--draft-tokens", type=int, default=None, help="Draft tokens per target step [default: adaptive].")
 @friendly_errors
 def generate(
     model_dir,
@@ -153,11 +168,16 @@ def generate(
     no_verify,
     no_stream,
     as_json,
+    draft,
+    prompt_lookup,
+    draft_tokens,
 ) -> None:
     """Generate text from the export folder MODEL_DIR (no PyTorch needed)."""
     from gpt2edge.runtime import Generator
 
-    gen = Generator(model_dir, device=device, threads=threads, verify=not no_verify)
+    speculative = dict(draft=draft, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)
+    with _warnings_to_stderr():
+        gen = Generator(model_dir, device=device, threads=threads, verify=not no_verify, **speculative)
     kwargs = dict(
         max_new_tokens=max_new_tokens,
         min_new_tokens=min_new_tokens,
@@ -313,11 +333,56 @@ def parity(
 @click.option("--vs-torch", is_flag=True, help="Also run the PyTorch source on the same workload.")
 @click.option("-m", "--model", "source", default=None, help="PyTorch source for --vs-torch [default: manifest's].")
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON on stdout.")
+@click.option("--draft", type=click.Path(path_type=Path), default=None, help="Speculative vs plain, this draft.")
+@click.option("--prompt-lookup", type=int, default=None, help="Speculative vs plain, prompt lookup (n-gram).")
+@click.option("--draft-tokens", type=int, default=None, help="Draft tokens per target step [default: adaptive].")
+@click.option(
+    "--text",
+    "texts",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="With --draft/--prompt-lookup: a prompt file (its first --prompt-len tokens); repeatable.",
+)
 @friendly_errors
 def bench(
-    model_dir, prompt_len, new_tokens, batch, threads, device, repeat, sweep, plot, vs_torch, source, as_json
+    model_dir,
+    prompt_len,
+    new_tokens,
+    batch,
+    threads,
+    device,
+    repeat,
+    sweep,
+    plot,
+    vs_torch,
+    source,
+    as_json,
+    draft,
+    prompt_lookup,
+    draft_tokens,
+    texts,
 ) -> None:
     """Prefill / decode latency of MODEL_DIR, its bandwidth and FLOP floors, measured in one run."""
+    if draft is not None or prompt_lookup is not None:
+        if sweep or vs_torch:
+            raise click.UsageError("--draft / --prompt-lookup cannot be combined with --sweep or --vs-torch.")
+        _bench_speculative(
+            model_dir,
+            prompt_len,
+            new_tokens,
+            batch,
+            threads,
+            device,
+            repeat,
+            as_json,
+            draft,
+            prompt_lookup,
+            draft_tokens,
+            texts,
+        )
+        return
+    if texts or draft_tokens is not None:
+        raise click.UsageError("--text and --draft-tokens need --draft or --prompt-lookup.")
     from gpt2edge.bench.bench import (
         BenchConfig,
         bench_prompts,
@@ -356,6 +421,23 @@ def bench(
         click.echo(f"{k:<32} {v}")
     for row in record.get("sweep", []):
         click.echo(f"{'context ' + str(row['context']):<32} {row['decode_ms_per_token']:.2f} ms/token")
+
+
+def _bench_speculative(
+    model_dir, prompt_len, new_tokens, batch, threads, device, repeat, as_json, draft, prompt_lookup, k, texts
+) -> None:
+    """bench --draft / --prompt-lookup: speculative next to plain decoding (gpt2edge.bench.speculative)."""
+    from gpt2edge.bench.bench import BenchConfig
+    from gpt2edge.bench.speculative import SpecBench, run_spec_bench, spec_rows
+
+    cfg = BenchConfig(prompt_len, new_tokens, batch, threads, device, repeat)
+    with _warnings_to_stderr():
+        record = run_spec_bench(model_dir, cfg, SpecBench(draft, prompt_lookup, k, tuple(texts)))
+    if as_json:
+        print_json(record)
+        return
+    for name, value in spec_rows(record):
+        click.echo(f"{name:<32} {value}")
 
 
 @main.command()
@@ -431,6 +513,25 @@ def _print_timings(t: dict, n_tokens: int) -> None:
         f"(mean) | sampler {t['sampler_ms_per_token_mean']:.3f} ms/token | {t['tokens_per_s']:.1f} tokens/s]",
         err=True,
     )
+    if "acceptance_rate" in t:  # speculative decoding: decode figures above are per target (verify) step
+        click.echo(
+            f"[speculative: {t['accepted_tokens']:.0f} of {t['draft_tokens']:.0f} draft tokens accepted "
+            f"({t['acceptance_rate'] * 100:.0f} %) | {t['tokens_per_target_step']:.2f} tokens per target step | "
+            f"{t['target_steps']:.0f} target steps | drafting {t['draft_ms_total']:.1f} ms]",
+            err=True,
+        )
+
+
+@contextlib.contextmanager
+def _warnings_to_stderr():
+    """Library warnings (e.g. a draft model that is not smaller) as one `warning:` line each on stderr."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in caught:
+                click.echo(f"warning: {w.message}", err=True)
 
 
 if __name__ == "__main__":

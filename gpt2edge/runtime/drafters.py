@@ -98,8 +98,8 @@ def draft_warnings(target: ModelFolder, draft: ModelFolder) -> list[str]:
     cost = [f.manifest["graph"].get("decode_weight_bytes") or f.model_bytes() for f in (target, draft)]
     if cost[1] >= cost[0]:
         return [
-            f"the draft {draft.path} reads {cost[1] / 1e6:.0f} MB per decode step, the target {target.path} "
-            f"{cost[0] / 1e6:.0f} MB: a draft that is not smaller makes speculative decoding slower than plain "
+            f"the draft {draft.path} reads {cost[1] / 1e6:.3g} MB per decode step, the target {target.path} "
+            f"{cost[0] / 1e6:.3g} MB: a draft that is not smaller makes speculative decoding slower than plain "
             "decoding."
         ]
     return []
