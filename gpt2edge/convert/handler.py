@@ -35,6 +35,11 @@ def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = 
     parent = read_manifest(src)
     _check_not_converted(src, parent)
     folder = ModelFolder.open(src, verify=False)  # the graph description, cheaply
+    if fmt == "genai" and folder.head == "tail":
+        raise ConvertError(
+            f"{src} is a --head tail export, whose logits_to_keep input onnxruntime-genai does not feed; convert "
+            "a --head last export of the same checkpoint."
+        )
     if fmt == "ort":
         check_ort_size(folder.model_bytes(), src)
     check_output_dir(out, force, sources=[src])  # equal to, inside or holding src: refused
