@@ -259,11 +259,11 @@ def _chi_square(samples: list[tuple[int, ...]], dist: dict[tuple[int, ...], floa
     return stat, float(scipy_stats.chi2.ppf(0.999, len(observed) - 1)), tv
 
 
-def _samples(gen: Generator, prompt: list[int]) -> tuple[list[tuple[int, ...]], SpecState | None]:
-    """N_SAMPLES seeded generations of N_TOKENS tokens (top-k TOP_K, temperature 1), as token tuples."""
+def _samples(gen: Generator, prompt: list[int], n: int = N_SAMPLES) -> tuple[list[tuple[int, ...]], SpecState]:
+    """n seeded generations of N_TOKENS tokens (top-k TOP_K, temperature 1), as token tuples."""
     params = gen.sampling_params(max_new_tokens=N_TOKENS, top_k=TOP_K, do_sample=True, ignore_eos=True)
     out, total = [], SpecState(prompts=[prompt], params=params)
-    for seed in range(N_SAMPLES):
+    for seed in range(n):
         p = dataclasses.replace(params, seed=seed)
         if gen.speculator is None:
             from gpt2edge.runtime.generate import generate
@@ -279,15 +279,28 @@ def _samples(gen: Generator, prompt: list[int]) -> tuple[list[tuple[int, ...]], 
     return out, total
 
 
-@pytest.mark.parametrize("drafter", ["stranger", "lookup"])
-def test_sampling_follows_the_target_distribution(targets, stranger, drafter, monkeypatch):
+def _lookup_prompt(gen: Generator) -> list[int]:
+    """P + s + P, where s is the target's greedy continuation of that very prompt (a fixed point, approached in
+    a few rounds): after P, prompt lookup then drafts s, the likeliest path, so drafts are often accepted."""
+    from gpt2edge.runtime.generate import generate
+
+    head = gen.tokenizer.encode("The city")
+    s = head
+    for _ in range(3):
+        params = gen.sampling_params(max_new_tokens=N_TOKENS, do_sample=False, ignore_eos=True)
+        s = generate(gen.lm, gen.tokenizer, [head + s + head], params, gen.pad_token_id).generated[0]
+    return head + s + head
+
+
+@pytest.mark.parametrize("drafter", ["int4", "lookup"])
+def test_sampling_follows_the_target_distribution(targets, drafts, drafter, monkeypatch):
     """Chi-square of the first N_TOKENS tokens' joint distribution against the exact one, for plain sampling
-    (the calibration), speculative sampling, and a broken rule that accepts every draft (which must fail)."""
-    kind = "concat" if drafter == "stranger" else "shared"
+    (the calibration), speculative sampling, and two broken rules (which must fail it)."""
+    kind = "concat" if drafter == "int4" else "shared"
     folder = targets[kind]
-    spec_kw = {"draft": stranger} if drafter == "stranger" else {"prompt_lookup": 1}
+    spec_kw = {"draft": drafts["concat"]} if drafter == "int4" else {"prompt_lookup": 2}
     spec = Generator(folder, draft_tokens=2, **spec_kw)
-    prompt = spec.tokenizer.encode("the the river the river rose the river")
+    prompt = _lookup_prompt(Generator(folder))
     dist = _exact_distribution(folder, prompt)
 
     plain_samples, _ = _samples(Generator(folder), prompt)
@@ -303,13 +316,26 @@ def test_sampling_follows_the_target_distribution(targets, stranger, drafter, mo
     assert state.stats.drafted > N_SAMPLES // 2 and 0 < state.stats.accepted < state.stats.drafted
     assert stat < limit, f"speculative sampling: chi-square {stat:.1f} >= {limit:.1f} (TV {tv:.3f})"
 
-    accept_all = lambda lp, drafts, q, probs_at, rng: spec_rules.Verdict(  # noqa: E731
-        len(drafts), spec_rules.sample_index(probs_at(lp[len(drafts)], len(drafts)), rng)
-    )
-    monkeypatch.setattr("gpt2edge.runtime.speculative.verify_sampled", accept_all)
-    broken, _ = _samples(spec, prompt)
-    counts_ok = set(broken) <= set(dist)
-    assert not counts_ok or _chi_square(broken, dist)[0] >= limit, "the test cannot tell a broken rule apart"
+    for broken in (_accept_all, _reject_from_p):
+        monkeypatch.setattr("gpt2edge.runtime.speculative.verify_sampled", broken)
+        samples, _ = _samples(spec, prompt, N_SAMPLES // 2)  # half as many samples: they fail by far
+        caught = not set(samples) <= set(dist) or _chi_square(samples, dist)[0] >= limit
+        assert caught, f"the test cannot tell {broken.__name__} from the rule"
+
+
+def _accept_all(lp, drafts, q, probs_at, rng):
+    """A broken rule: every draft accepted (the output then follows the drafter)."""
+    return spec_rules.Verdict(len(drafts), spec_rules.sample_index(probs_at(lp[len(drafts)], len(drafts)), rng))
+
+
+def _reject_from_p(lp, drafts, q, probs_at, rng):
+    """A subtler broken rule: the right acceptance test, but a rejected draft is replaced by a draw from p
+    instead of norm(max(0, p - q))."""
+    for i, x in enumerate(drafts):
+        p = probs_at(lp[i], i)
+        if rng.random() * (1.0 if q is None else float(q[i, x])) >= p[x]:
+            return spec_rules.Verdict(i, spec_rules.sample_index(p, rng))
+    return spec_rules.Verdict(len(drafts), spec_rules.sample_index(probs_at(lp[len(drafts)], len(drafts)), rng))
 
 
 # --- the pieces ----------------------------------------------------------------------------------------------
@@ -388,7 +414,7 @@ def test_a_trimmed_vocabulary_draft_needs_the_same_trim_on_the_target(targets, t
 
 def test_a_draft_not_smaller_than_the_target_warns(targets):
     with pytest.warns(UserWarning, match="not smaller"):
-        Generator(targets["concat"], draft=targets["shared"])
+        Generator(targets["concat"], draft=targets["concat"])
 
 
 def test_bad_speculative_arguments_are_refused(targets, tiny_export, drafts):
