@@ -343,6 +343,7 @@ def parity(
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="With --draft/--prompt-lookup: a prompt file (its first --prompt-len tokens); repeatable.",
 )
+@click.option("--sample", is_flag=True, help="With --draft/--prompt-lookup: bench's sampling instead of greedy.")
 @friendly_errors
 def bench(
     model_dir,
@@ -361,28 +362,20 @@ def bench(
     prompt_lookup,
     draft_tokens,
     texts,
+    sample,
 ) -> None:
     """Prefill / decode latency of MODEL_DIR, its bandwidth and FLOP floors, measured in one run."""
     if draft is not None or prompt_lookup is not None:
         if sweep or vs_torch:
             raise click.UsageError("--draft / --prompt-lookup cannot be combined with --sweep or --vs-torch.")
-        _bench_speculative(
-            model_dir,
-            prompt_len,
-            new_tokens,
-            batch,
-            threads,
-            device,
-            repeat,
-            as_json,
-            draft,
-            prompt_lookup,
-            draft_tokens,
-            texts,
-        )
+        from gpt2edge.bench.bench import BenchConfig
+        from gpt2edge.bench.speculative import SpecBench
+
+        cfg = BenchConfig(prompt_len, new_tokens, batch, threads, device, repeat)
+        _bench_speculative(model_dir, cfg, SpecBench(draft, prompt_lookup, draft_tokens, tuple(texts), sample), as_json)
         return
-    if texts or draft_tokens is not None:
-        raise click.UsageError("--text and --draft-tokens need --draft or --prompt-lookup.")
+    if texts or draft_tokens is not None or sample:
+        raise click.UsageError("--text, --draft-tokens and --sample need --draft or --prompt-lookup.")
     from gpt2edge.bench.bench import (
         BenchConfig,
         bench_prompts,
@@ -423,16 +416,12 @@ def bench(
         click.echo(f"{'context ' + str(row['context']):<32} {row['decode_ms_per_token']:.2f} ms/token")
 
 
-def _bench_speculative(
-    model_dir, prompt_len, new_tokens, batch, threads, device, repeat, as_json, draft, prompt_lookup, k, texts
-) -> None:
+def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
     """bench --draft / --prompt-lookup: speculative next to plain decoding (gpt2edge.bench.speculative)."""
-    from gpt2edge.bench.bench import BenchConfig
-    from gpt2edge.bench.speculative import SpecBench, run_spec_bench, spec_rows
+    from gpt2edge.bench.speculative import run_spec_bench, spec_rows
 
-    cfg = BenchConfig(prompt_len, new_tokens, batch, threads, device, repeat)
     with _warnings_to_stderr():
-        record = run_spec_bench(model_dir, cfg, SpecBench(draft, prompt_lookup, k, tuple(texts)))
+        record = run_spec_bench(model_dir, cfg, spec)
     if as_json:
         print_json(record)
         return

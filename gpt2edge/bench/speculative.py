@@ -1,6 +1,8 @@
 """`gpt2edge bench --draft DIR` / `--prompt-lookup N`: speculative decoding next to plain decoding of the same
 target, on the same prompts, greedy (so the two must give the same tokens, and the record says whether they
-did). Plain and speculative runs alternate, one warm-up of each first; figures are medians over the runs.
+did) or, with --sample, bench's sampling (temperature 0.8, top-k 50, top-p 0.9: the same distribution, other
+draws). Plain and speculative runs alternate, one warm-up of each first; figures are medians over the runs,
+and the record keeps the load average before and after (on a shared host it says how busy the CPUs were).
 
 Prompts: the first --prompt-len tokens of each --text file (acceptance depends on the text: code that reuses
 its identifiers is what prompt lookup is for), else seeded random token ids (acceptance then means little).
@@ -8,6 +10,7 @@ its identifiers is what prompt lookup is for), else seeded random token ids (acc
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,7 +19,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from gpt2edge.bench.bench import BenchConfig, bench_prompts
+from gpt2edge.bench.bench import SAMPLING, BenchConfig, bench_prompts
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.generate import GenerationState, generate
 from gpt2edge.runtime.generator import Generator
@@ -32,6 +35,7 @@ class SpecBench:
     prompt_lookup: int | None = None
     draft_tokens: int | None = None
     texts: tuple[Path, ...] = ()
+    sample: bool = False
 
 
 def text_prompts(gen: Generator, texts: tuple[Path, ...], length: int) -> list[list[int]]:
@@ -66,9 +70,11 @@ def run_spec_bench(model_dir: Path, cfg: BenchConfig, spec: SpecBench, log=sys.s
     )
     cfg.check_lengths(gen.folder.dims["n_positions"])
     prompts = text_prompts(gen, spec.texts, cfg.prompt_len) if spec.texts else bench_prompts(cfg, gen.lm.vocab_size)
-    params = SamplingParams(max_new_tokens=cfg.new_tokens, seed=cfg.seed)  # greedy, EOS ignored
+    sampling = SAMPLING if spec.sample else {}  # greedy by default; EOS ignored either way
+    params = SamplingParams(max_new_tokens=cfg.new_tokens, seed=cfg.seed, **sampling)
     plain_ms, spec_ms, steps, mismatches = [], [], [], 0
-    totals = {"drafted": 0, "accepted": 0, "emitted": 0, "target_steps": 0}
+    totals = {"drafted": 0, "accepted": 0, "emitted": 0, "target_steps": 0, "draft_ms": 0.0}
+    load_before = os.getloadavg()
     for i in tqdm(range(cfg.repeat + 1), desc="bench", unit="round", file=log, leave=False, disable=None):
         for j, prompt in enumerate(prompts):
             order = ("plain", "spec") if (i + j) % 2 == 0 else ("spec", "plain")  # alternate who goes first
@@ -88,6 +94,7 @@ def run_spec_bench(model_dir: Path, cfg: BenchConfig, spec: SpecBench, log=sys.s
         "precision": gen.folder.precision,
         "kv_cache": gen.folder.kv_cache,
         "head": gen.folder.head,
+        "sampling": "bench sampling (temperature 0.8, top-k 50, top-p 0.9)" if spec.sample else "greedy",
         "drafter": f"draft model {spec.draft}" if spec.draft else f"prompt lookup (n-gram <= {spec.prompt_lookup})",
         "draft_tokens": spec.draft_tokens or "adaptive",
         "prompts": [str(t) for t in spec.texts] or "random token ids",
@@ -104,8 +111,10 @@ def run_spec_bench(model_dir: Path, cfg: BenchConfig, spec: SpecBench, log=sys.s
         "tokens_per_target_step": totals["emitted"] / totals["target_steps"] if totals["target_steps"] else 0.0,
         "draft_tokens_per_step": totals["drafted"] / totals["target_steps"] if totals["target_steps"] else 0.0,
         "verify_step_ms": float(np.median(steps)) if steps else 0.0,
-        "greedy_identical": mismatches == 0,
+        "draft_ms_per_step": totals["draft_ms"] / totals["target_steps"] if totals["target_steps"] else 0.0,
+        "greedy_identical": None if spec.sample else mismatches == 0,
         "runs": len(plain_ms),
+        "load_average_before_after": [list(load_before), list(os.getloadavg())],
     }
 
 
@@ -125,7 +134,10 @@ def spec_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     return [
         ("model", f"{r['model']} ({r['precision']}, {r['kv_cache']} KV cache, head {r['head']})"),
         ("drafter", f"{r['drafter']}, k {r['draft_tokens']}"),
-        ("workload", f"greedy, prompt {c['prompt_len']} tokens ({r['n_prompts']} prompts), {c['new_tokens']} new"),
+        (
+            "workload",
+            f"{r['sampling']}, prompt {c['prompt_len']} tokens ({r['n_prompts']} prompts), {c['new_tokens']} new",
+        ),
         ("plain decode", f"{r['plain_ms_per_token']:.2f} ms/token ({r['plain_tokens_per_s']:.1f} tokens/s)"),
         (
             "speculative decode",
@@ -134,6 +146,7 @@ def spec_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
         ("speed-up", f"{r['speedup']:.2f} x"),
         ("acceptance rate", f"{r['acceptance_rate'] * 100:.1f} %"),
         ("tokens per target step", f"{r['tokens_per_target_step']:.2f} ({r['draft_tokens_per_step']:.2f} drafted)"),
-        ("verify step", f"{r['verify_step_ms']:.2f} ms (median)"),
-        ("greedy tokens identical", "yes" if r["greedy_identical"] else "NO"),
+        ("verify step", f"{r['verify_step_ms']:.2f} ms (median); drafting {r['draft_ms_per_step']:.2f} ms per step"),
+        ("greedy tokens identical", {None: "n/a (sampling)", True: "yes", False: "NO"}[r["greedy_identical"]]),
+        ("load average before / after", " / ".join(f"{a[0]:.1f}" for a in r["load_average_before_after"])),
     ]
