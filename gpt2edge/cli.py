@@ -5,9 +5,11 @@ Subpackages are imported inside each command so `gpt2edge generate` never import
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -285,6 +287,19 @@ SEEDS = click.IntRange(0, 2**63 - 1)
     help="With --json: each token's log-prob and the N most likely (0 = the chosen token only).",
 )
 @click.option("-i", "--interactive", is_flag=True, help="Each line of stdin extends the context; /reset, /quit.")
+@click.option(
+    "--draft",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Speculative decoding with this draft model folder (same tokenizer, smaller model).",
+)
+@click.option(
+    "--prompt-lookup",
+    type=int,
+    default=None,
+    help="Speculative decoding with drafts copied from the context: the longest n-gram to match (e.g. 2).",
+)
+@click.option("--draft-tokens", type=int, default=None, help="Draft tokens per target step [default: adaptive].")
 @friendly_errors
 def generate(
     model_dir,
@@ -318,6 +333,9 @@ def generate(
     as_json,
     logprobs,
     interactive,
+    draft,
+    prompt_lookup,
+    draft_tokens,
 ) -> None:
     """Generate text from the export folder MODEL_DIR (no PyTorch needed).
 
@@ -335,7 +353,9 @@ def generate(
         read_stdin = lambda: sys.stdin.buffer.read()  # noqa: E731
         # -i without -p starts from an empty context (its turns come from stdin)
         texts = [] if interactive and not prompts else collect_prompts(prompts, prompt_files, file_format, read_stdin)
-        gen = Generator(model_dir, device=device, threads=threads, verify=not no_verify)
+        speculative = dict(draft=draft, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)
+        with _warnings_to_stderr():
+            gen = Generator(model_dir, device=device, threads=threads, verify=not no_verify, **speculative)
         # the CLI always passes the mode: the folder's generation_config decides it unless a flag does
         sample = do_sample if do_sample is not None else gen.sampling_params().do_sample
         knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, seed=seed)
@@ -628,6 +648,17 @@ def parity(
 @click.option("--vs-torch", is_flag=True, help="Also run the PyTorch source on the same workload.")
 @click.option("-m", "--model", "source", default=None, help="PyTorch source for --vs-torch [default: manifest's].")
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON on stdout.")
+@click.option("--draft", type=click.Path(path_type=Path), default=None, help="Speculative vs plain, this draft.")
+@click.option("--prompt-lookup", type=int, default=None, help="Speculative vs plain, prompt lookup (n-gram).")
+@click.option("--draft-tokens", type=int, default=None, help="Draft tokens per target step [default: adaptive].")
+@click.option(
+    "--text",
+    "texts",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="With --draft/--prompt-lookup: a prompt file (its first --prompt-len tokens); repeatable.",
+)
+@click.option("--sample", is_flag=True, help="With --draft/--prompt-lookup: bench's sampling instead of greedy.")
 @friendly_errors
 def bench(
     model_dir,
@@ -643,12 +674,28 @@ def bench(
     vs_torch,
     source,
     as_json,
+    draft,
+    prompt_lookup,
+    draft_tokens,
+    texts,
+    sample,
 ) -> None:
     """Prefill / decode latency of MODEL_DIR, its bandwidth and FLOP floors, measured in one run.
 
     decode ms/token is the median over every decode step of the timed runs (--json: decode_ms_per_token and
     decode_ms_per_token_median; decode_ms_per_token_mean is the mean `generate` reports).
     """
+    if draft is not None or prompt_lookup is not None:
+        if sweep or vs_torch or beam_widths:
+            raise click.UsageError("--draft / --prompt-lookup do not combine with --sweep, --vs-torch or --num-beams.")
+        from gpt2edge.bench.bench import BenchConfig
+        from gpt2edge.bench.speculative import SpecBench
+
+        cfg = BenchConfig(prompt_len, new_tokens, batch, threads, device, repeat)
+        _bench_speculative(model_dir, cfg, SpecBench(draft, prompt_lookup, draft_tokens, tuple(texts), sample), as_json)
+        return
+    if texts or draft_tokens is not None or sample:
+        raise click.UsageError("--text, --draft-tokens and --sample need --draft or --prompt-lookup.")
     from gpt2edge.bench.bench import (
         BenchConfig,
         bench_prompts,
@@ -701,6 +748,19 @@ def bench(
             click.echo(f"{k:<32} {v}")
     for row in record.get("sweep", []):
         click.echo(f"{'context ' + str(row['context']):<32} {row['decode_ms_per_token']:.2f} ms/token (median)")
+
+
+def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
+    """bench --draft / --prompt-lookup: speculative next to plain decoding (gpt2edge.bench.speculative)."""
+    from gpt2edge.bench.speculative import run_spec_bench, spec_rows
+
+    with _warnings_to_stderr():
+        record = run_spec_bench(model_dir, cfg, spec)
+    if as_json:
+        print_json(record)
+        return
+    for name, value in spec_rows(record):
+        click.echo(f"{name:<32} {value}")
 
 
 @main.command()
@@ -935,6 +995,25 @@ def _print_timings(t: dict, n_tokens: int) -> None:
         f"(mean) | sampler {t['sampler_ms_per_token_mean']:.3f} ms/token | {t['tokens_per_s']:.1f} tokens/s]",
         err=True,
     )
+    if "acceptance_rate" in t:  # speculative decoding: decode figures above are per target (verify) step
+        click.echo(
+            f"[speculative: {t['accepted_tokens']:.0f} of {t['draft_tokens']:.0f} draft tokens accepted "
+            f"({t['acceptance_rate'] * 100:.0f} %) | {t['tokens_per_target_step']:.2f} tokens per target step | "
+            f"{t['target_steps']:.0f} target steps | drafting {t['draft_ms_total']:.1f} ms]",
+            err=True,
+        )
+
+
+@contextlib.contextmanager
+def _warnings_to_stderr():
+    """Library warnings (e.g. a draft model that is not smaller) as one `warning:` line each on stderr."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in caught:
+                click.echo(f"warning: {w.message}", err=True)
 
 
 if __name__ == "__main__":

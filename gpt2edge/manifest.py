@@ -29,7 +29,8 @@ GENERATION_CONFIG = "generation_config.json"
 
 # graph kinds a manifest may describe (graph.head, graph.kv_cache), and what computes attention in each
 # (graph.attention): the exporter writes these, the CLI offers them, the runtime checks them
-HEAD_MODES = ("last", "all")
+HEAD_MODES = ("last", "all", "tail")
+KEEP_INPUT = "logits_to_keep"  # the tail head's input: the positions whose log-probs the graph returns
 KV_CACHE_MODES = ("concat", "shared")
 ATTENTION_OPS = {"concat": "onnx", "shared": "com.microsoft.GroupQueryAttention"}
 # graph.format: "onnx" (export, quantize), "ort" (ONNX Runtime's flatbuffer, for minimal builds) and "genai"

@@ -40,6 +40,11 @@ def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = 
             f"{src} is a static-shape export (--static), two graphs sharing one weights file; convert --format "
             f"{fmt} takes a dynamic export. For a mobile build, run ONNX Runtime's converter on its .onnx files."
         )
+    if fmt == "genai" and folder.head == "tail":
+        raise ConvertError(
+            f"{src} is a --head tail export, whose logits_to_keep input onnxruntime-genai does not feed; convert "
+            "a --head last export of the same checkpoint."
+        )
     if fmt == "ort":
         check_ort_size(folder.model_bytes(), src)
     if fmt == "genai" and folder.info.vocab is not None:

@@ -31,7 +31,9 @@ _ACTIVATIONS = {
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 # The graph kinds this module builds (gpt2edge.manifest.HEAD_MODES / KV_CACHE_MODES).
-# head: "last" returns the next-token log-probs only, "all" every position's.
+# head: "last" returns the next-token log-probs only, "all" every position's, "tail" those of the positions
+#       listed by one more input, `logits_to_keep` (int64 (keep,), transformers' tensor form of that argument:
+#       the runtime passes the last position for generation, the last K+1 to verify K draft tokens).
 # KV cache:
 # concat: past (B, nh, P, hs) in, present = past + new (B, nh, P+S, hs) out (Optimum's contract).
 # shared: past is a pre-allocated buffer (B, nh, capacity, hs) holding the past in its first slots; one
@@ -174,6 +176,8 @@ class ExportableGPT2(nn.Module):
         self.lm_head = None if tied_head else nn.Parameter(torch.empty(dims.vocab_size, dims.n_embd))
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
+        if self.head == "tail":
+            *past, logits_to_keep = past  # the tail head's extra input comes after the cache
         B, S = input_ids.shape
         T = attention_mask.shape[1]  # past + current length
         x = self.wte(input_ids) + self.wpe(position_ids)  # (B, S, C)
@@ -191,9 +195,11 @@ class ExportableGPT2(nn.Module):
                 presents += [k, v]
         if self.head == "last":
             x = x[:, -1, :]  # (B, C): generation needs the next-token distribution only
+        elif self.head == "tail":
+            x = x.index_select(1, logits_to_keep)  # (B, keep, C): the head runs on the kept positions only
         x = self.ln_f(x)
         head_weight = self.wte.weight if self.lm_head is None else self.lm_head
-        logits = F.linear(x, head_weight)  # (B, V) or (B, S, V)
+        logits = F.linear(x, head_weight)  # (B, V), (B, S, V) or (B, keep, V)
         return (torch.log_softmax(logits.float(), dim=-1), *presents)
 
     def _fused_blocks(self, x, past, allowed):

@@ -14,14 +14,16 @@ from gpt2edge.errors import ExportError
 from gpt2edge.export.fused_ops import onnx_translation
 from gpt2edge.export.model import ExportableGPT2
 from gpt2edge.export.options import DEFAULT_OPSET, check_opset
+from gpt2edge.manifest import KEEP_INPUT
 from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD
 
 
-def io_names(n_layer: int) -> tuple[list[str], list[str]]:
-    """Graph input and output names, in order, as Optimum names them."""
+def io_names(n_layer: int, head: str = "last") -> tuple[list[str], list[str]]:
+    """Graph input and output names, in order, as Optimum names them (a tail head's input comes last)."""
     past = [f"past_key_values.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
     present = [f"present.{i}.{kv}" for i in range(n_layer) for kv in ("key", "value")]
-    return ["input_ids", "attention_mask", "position_ids", *past], ["logprobs", *present]
+    keep = [KEEP_INPUT] if head == "tail" else []
+    return ["input_ids", "attention_mask", "position_ids", *past, *keep], ["logprobs", *present]
 
 
 def io_spec(model: ExportableGPT2) -> dict[str, list[dict]]:
@@ -35,14 +37,18 @@ def io_spec(model: ExportableGPT2) -> dict[str, list[dict]]:
         "past_seq + seq" if model.kv_cache == "concat" else "max(past_seq, total_seq)",
         d.head_dim,
     ]
-    logprobs = ["batch", d.vocab_size] if model.head == "last" else ["batch", "seq", d.vocab_size]
-    inputs, outputs = io_names(d.n_layer)
+    rows = {"last": [], "all": ["seq"], "tail": ["keep"]}[model.head]
+    logprobs = ["batch", *rows, d.vocab_size]
+    inputs, outputs = io_names(d.n_layer, model.head)
+    past = [n for n in inputs[3:] if n != KEEP_INPUT]
+    keep = [{"name": KEEP_INPUT, "dtype": "int64", "shape": ["keep"]}] if model.head == "tail" else []
     return {
         "inputs": [
             {"name": inputs[0], "dtype": "int64", "shape": ["batch", "seq"]},
             {"name": inputs[1], "dtype": "int64", "shape": ["batch", "past_seq + seq"]},
             {"name": inputs[2], "dtype": "int64", "shape": ["batch", "seq"]},
-            *({"name": n, "dtype": "float32", "shape": kv} for n in inputs[3:]),
+            *({"name": n, "dtype": "float32", "shape": kv} for n in past),
+            *keep,
         ],
         "outputs": [
             {"name": outputs[0], "dtype": "float32", "shape": logprobs},
@@ -59,16 +65,19 @@ def _example_inputs(model: ExportableGPT2) -> tuple:
     mask = torch.ones(B, P + S, dtype=torch.long)
     pos = torch.arange(P, P + S).expand(B, S).contiguous()
     past = tuple(torch.zeros(B, d.n_head, P, d.head_dim) for _ in range(2 * d.n_layer))
-    return ids, mask, pos, *past
+    keep = (torch.tensor([1, 2]),) if model.head == "tail" else ()  # 2 of the 3 positions: keep stays symbolic
+    return ids, mask, pos, *past, *keep
 
 
 def export_graph(model: ExportableGPT2, path: Path, opset: int = DEFAULT_OPSET) -> list[str]:
     """Write the graph to `path`; returns the files written (the .onnx and, for big models, its data file)."""
     check_opset(opset)
-    inputs, outputs = io_names(model.dims.n_layer)
+    inputs, outputs = io_names(model.dims.n_layer, model.head)
     seq_axes = {0: "batch", 1: "seq"}
     past_axes = {0: "batch", 2: "past_seq"}
-    dynamic_shapes = (seq_axes, {0: "batch", 1: "total_seq"}, seq_axes, tuple(past_axes for _ in inputs[3:]))
+    # forward(ids, mask, positions, *past): the tail head's logits_to_keep is the last of *past
+    rest = [{0: "keep"} if n == KEEP_INPUT else past_axes for n in inputs[3:]]
+    dynamic_shapes = (seq_axes, {0: "batch", 1: "total_seq"}, seq_axes, tuple(rest))
     n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     external = n_bytes > EXTERNAL_DATA_THRESHOLD
     path = Path(path)

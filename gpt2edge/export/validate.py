@@ -15,6 +15,7 @@ import numpy as np
 
 from gpt2edge.errors import ValidationError
 from gpt2edge.export.options import DEFAULT_ATOL
+from gpt2edge.manifest import KEEP_INPUT
 from gpt2edge.runtime.generate import position_ids_from_mask  # the runtime's own rule, so both agree
 
 if TYPE_CHECKING:
@@ -82,6 +83,13 @@ def validate(
     B, S = ids.shape
     checks: list[Check] = []
 
+    def feed_of(values: list[np.ndarray], seq: int) -> dict[str, np.ndarray]:
+        """Inputs by name; a --head tail graph is asked for every position, compared as --head all."""
+        feed = dict(zip(in_names, values))
+        if KEEP_INPUT in in_names:
+            feed[KEEP_INPUT] = np.arange(seq, dtype=np.int64)
+        return feed
+
     def compare(case, ort_out, ref_logprobs, ref_presents, step_mask, seq):
         real = step_mask[:, -seq:].astype(bool)  # (B, seq): which query positions are real tokens
         T = step_mask.shape[1]
@@ -102,7 +110,7 @@ def validate(
     # case 1: prefill, empty past, left-padded batch of 2
     pos = position_ids_from_mask(mask, S)
     empty = [np.zeros((B, H, 0, D), np.float32) for _ in range(2 * L)]
-    feed = dict(zip(in_names, [ids, mask, pos, *empty]))
+    feed = feed_of([ids, mask, pos, *empty], S)
     ort_out = sess.run(out_names, feed)
     ref_lp, ref_present = hf_step(hf_model, *map(torch.from_numpy, (ids, mask, pos)), None)
     compare("prefill, left-padded batch of 2, empty past", ort_out, ref_lp, ref_present, mask, S)
@@ -114,7 +122,7 @@ def validate(
     if kv_cache == "shared":  # a buffer with spare slots, as the runtime allocates it
         spare = 3
         past = [np.concatenate([p, np.zeros((B, H, spare, D), np.float32)], axis=2) for p in past]
-    ort_out = sess.run(out_names, dict(zip(in_names, [nxt, mask2, pos2, *past])))
+    ort_out = sess.run(out_names, feed_of([nxt, mask2, pos2, *past], 1))
     ref_lp, ref_present = hf_step(hf_model, *map(torch.from_numpy, (nxt, mask2, pos2)), list(ref_present))
     compare("decode 1 token with past", ort_out, ref_lp, ref_present, mask2, 1)
 

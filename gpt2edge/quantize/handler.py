@@ -147,7 +147,10 @@ def quantize_model(
             f"Quantize its fp32 parent ({parent.get('quantization', {}).get('parent', {}).get('path', '?')})."
         )
     if info.graph.head != "last":
-        raise QuantizeError(f"{src} is a --head all (scoring) export; quantize a generation export (--head last).")
+        raise QuantizeError(
+            f"{src} is a --head {info.graph.head} export; quantize a generation export (--head last) of the same "
+            "checkpoint."
+        )
     if recipe.mode == "fp16" and info.graph.kv_cache == "shared":
         raise QuantizeError(
             f"{src} is a shared-cache export (the CPU fast path); fp16 would put casts around its in-place cache. "

@@ -20,6 +20,7 @@ from gpt2edge.runtime.lm import LMPool, load_graph
 from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob, check_logprobs
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.sampling import SamplingParams
+from gpt2edge.runtime.speculative import SpecState, Speculator
 from gpt2edge.runtime.tokenizer import TextTokenizer, check_unicode
 
 # generation_config.json keys that map one-to-one onto SamplingParams
@@ -112,12 +113,23 @@ class Generator:
         threads: int | None = None,
         verify: bool = True,
         io_binding: bool = True,
+        draft: str | Path | None = None,
+        prompt_lookup: int | None = None,
+        draft_tokens: int | None = None,
     ) -> None:
+        """draft / prompt_lookup / draft_tokens: speculative decoding (gpt2edge.runtime.speculative): a draft
+        model folder with the target's tokenizer, or the longest n-gram prompt lookup matches; draft_tokens
+        fixes k (default: adaptive). Output as without them: the same greedy tokens, the same distribution."""
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
         self.graph = load_graph(self.folder, device=device, threads=threads)  # OrtGraph, or a static folder's
         self._pool = LMPool(self.graph, io_binding=io_binding)
         self.lm = self._pool.primary  # the context sequential calls use
+        self.speculator = None
+        if draft is not None or prompt_lookup is not None or draft_tokens is not None:
+            self.speculator = Speculator(
+                self.folder, draft, prompt_lookup, draft_tokens, device, threads, verify, io_binding
+            )
         self.defaults = self.folder.generation_defaults()
         eos = _as_tuple(self.defaults.get("eos_token_id"))
         self.eos_token_id = eos
@@ -214,6 +226,11 @@ class Generator:
         check_search(search, params)
         batch = [prompt] if isinstance(prompt, str) else list(prompt)
         if search.expands:
+            if self.speculator is not None:
+                raise GenerationError(
+                    "Speculative decoding (a draft or prompt lookup) decodes one sequence per prompt; drop "
+                    "num_beams / num_return_sequences, or use a Generator without draft."
+                )
             if logprobs is not None:
                 raise GenerationError("logprobs is recorded for one sequence per prompt; drop num_beams or "
                                       "num_return_sequences, or logprobs.")  # fmt: skip
@@ -222,10 +239,10 @@ class Generator:
                 groups = [g[0] for g in groups]
             return groups[0] if isinstance(prompt, str) else groups
         recorder = self.logprob_recorder(logprobs, len(batch))
-        state = GenerationState(prompts=self._encode(batch, truncate, params), params=params, logprobs=recorder)
+        state = self._state(self._encode(batch, truncate, params), params, recorder)
         with self._pool.lease() as lm:
             try:
-                for step in iter_generate(lm, self.tokenizer, state, self.pad_token_id):
+                for step in self._steps(lm, state):
                     if callback is not None:
                         callback(step)
             except KeyboardInterrupt:
@@ -294,7 +311,7 @@ class Generator:
         params = self.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
         recorder = self.logprob_recorder(logprobs, 1)
         prompts = self._encode([prompt], truncate, params)
-        return self._stream_pieces(GenerationState(prompts=prompts, params=params, logprobs=recorder), result)
+        return self._stream_pieces(self._state(prompts, params, recorder), result)
 
     def logprob_recorder(self, n: int | None, batch: int) -> LogprobRecorder | None:
         """None when log-probs were not asked for; raises on an N outside 0 .. vocabulary size."""
@@ -306,9 +323,26 @@ class Generator:
         (gpt2edge.runtime.conversation). It has its own OrtLM on this Generator's graph."""
         return Conversation(self, self.graph.new_lm(self._pool.io_binding), on_overflow=on_overflow)
 
+    def _state(
+        self, prompts: list[list[int]], params: SamplingParams, recorder: LogprobRecorder | None = None
+    ) -> GenerationState:
+        """A fresh generation's state; a speculative one checks its parameters here, before any output."""
+        if self.speculator is None:
+            return GenerationState(prompts=prompts, params=params, logprobs=recorder)
+        if recorder is not None:
+            raise GenerationError("logprobs is not recorded by speculative decoding; drop the draft or logprobs.")
+        self.speculator.check(prompts, params)
+        return SpecState(prompts=prompts, params=params)
+
+    def _steps(self, lm, state: GenerationState) -> Iterator[Step]:
+        """The decode loop: plain, or speculative when the Generator has a draft or prompt lookup."""
+        if self.speculator is not None:
+            return self.speculator.iter_generate(lm, self.tokenizer, state)
+        return iter_generate(lm, self.tokenizer, state, self.pad_token_id)
+
     def _stream_pieces(self, state: GenerationState, result: list | None) -> Iterator[str]:
         with self._pool.lease() as lm:  # taken at the first next(), given back at the end or on close()
-            for _ in iter_generate(lm, self.tokenizer, state, self.pad_token_id):
+            for _ in self._steps(lm, state):
                 piece = state.texts[0].take()  # the same matcher decided the finish reason
                 if piece:
                     yield piece
@@ -330,6 +364,8 @@ class Generator:
             "wall_ms": state.wall_ms,
             "tokens_per_s": n_tokens / (state.wall_ms / 1e3) if state.wall_ms > 0 else 0.0,
         }
+        if isinstance(state, SpecState):  # acceptance rate, tokens per target step, ...
+            timings.update(state.stats.timings())
         results = []
         for prompt, ids, reason, text in zip(state.prompts, state.generated, state.finish_reasons, state.texts):
             text.finish()  # an interrupted row may end inside a character

@@ -115,6 +115,22 @@ class KVCache:
             self._storage.update_inplace(host)
         self.src, self.rows = 1 - self.src, new_rows
 
+    def compact(self, past_len: int, slots: np.ndarray) -> None:
+        """Copy positions `slots` of the current past (B, nh, past_len, hs) to the front of the other ping-pong
+        slot, which becomes the past: (B, nh, len(slots), hs). One copy of the kept entries per tensor."""
+        storage = self._storage if self.device == "cpu" else self._storage.numpy()  # CUDA: via the host
+        dst = 1 - self.src
+        for i in range(self.n_tensors):
+            past = storage[self.src, i, : self._elems_of(past_len)].reshape(self.shape(past_len))
+            kept = storage[dst, i, : self._elems_of(len(slots))].reshape(self.shape(len(slots)))
+            np.take(past, slots, axis=2, out=kept)
+        if self.device != "cpu":
+            self._storage.update_inplace(storage)
+        self.src = dst
+
+    def _elems_of(self, length: int) -> int:
+        return self.rows * self.n_head * length * self.head_dim
+
 
 class SharedKVCache(KVCache):
     """One buffer per key/value tensor, bound as both past and present: the graph writes it in place."""

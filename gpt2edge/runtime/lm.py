@@ -15,6 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from gpt2edge.errors import DeviceError, ModelFolderError
+from gpt2edge.manifest import KEEP_INPUT
 from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.session import ORT_DEVICE, create_session, quiet_run_options, run_errors
@@ -48,7 +49,9 @@ class OrtGraph:
         self.n_layer, self.n_head, self.head_dim = d["n_layer"], d["n_head"], d["head_dim"]
         self.vocab_size, self.n_positions = d["vocab_size"], d["n_positions"]
         self.run_options = quiet_run_options()
-        self.past_names = [i.name for i in self.session.get_inputs()][3:]
+        names = [i.name for i in self.session.get_inputs()]
+        self.past_names = [n for n in names if n.startswith("past_key_values.")]
+        self.keeps = KEEP_INPUT in names  # --head tail: the graph returns the positions listed in that input
         self._check_cache_inputs()  # before any cache is sized from the manifest's dims
         self.kept_ids = self._kept_ids()  # a vocabulary-trimmed head's K columns, as full ids (else None)
         self.present_names = [o.name for o in self.session.get_outputs()][1:]
@@ -58,7 +61,7 @@ class OrtGraph:
         """The graph's past inputs are the manifest's n_layer x (key, value) of (batch, n_head, past, head_dim) in its
         kv_dtype: a manifest edited or copied from another model is refused here, not by ONNX Runtime mid-decode."""
         dtype = {"float32": "tensor(float)", "float16": "tensor(float16)"}.get(self.folder.graph.kv_dtype)
-        past = self.session.get_inputs()[3:]
+        past = [i for i in self.session.get_inputs() if i.name in self.past_names]
         for i in past:
             dims = list(i.shape) if len(i.shape) == 4 else [None, -1, None, -1]
             fixed = [(g, w) for g, w in ((dims[1], self.n_head), (dims[3], self.head_dim)) if isinstance(g, int)]
@@ -109,6 +112,10 @@ class OrtLM:
                             Any B and S, with or without a past (see _forward_rows for the shared graph).
                             The result may be a buffer the next forward overwrites: copy it to keep it.
       past_len              positions held in the cache.
+      forward(..., keep=n)  (B, n, V): the log-probs after each of the last n positions (a --head tail or all
+                            graph; speculative decoding verifies n - 1 draft tokens in one step this way).
+      rewind(past_len)      shared cache: forget the positions after past_len (rejected draft tokens).
+      compact(slots)        concat cache: keep only those positions, moved to the front (one copy).
     Not thread-safe: use one OrtLM per concurrent generation (LMPool), all on one OrtGraph.
 
     `graph` is a loaded OrtGraph to share, or a ModelFolder to load (with `device` and `threads`).
@@ -133,6 +140,8 @@ class OrtLM:
         self._inputs: dict[str, np.ndarray] = {}  # the int64 buffers bound as ids and positions
         self._mask = np.empty(0, dtype=np.int64)  # flat buffer the attention mask is bound from
         self._bound_seq = 0  # new positions per step of the current binding (shared-cache graphs reuse it)
+        self._bound_keep = 0  # positions of log-probs the current binding returns (tail head)
+        self._tail = np.empty(0, dtype=np.float32)  # flat buffer a tail head's (B, keep, V) output is bound to
 
     def start(self, batch: int, length: int) -> None:
         """Prepare for a generation of `batch` rows and at most `length` positions: one allocation."""
@@ -184,27 +193,37 @@ class OrtLM:
         else:
             self._presents = [np.take(p, index, axis=0) for p in self._presents]
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+    def forward(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, keep: int | None = None
+    ) -> np.ndarray:
         """(B, S) ids, (B, past+S) mask, (B, S) positions -> (B, V) float32 log-probs of the next token over the
-        full vocabulary; a trimmed head's dropped ids get -inf, so samplers and results keep full token ids."""
+        full vocabulary, or with `keep` = n, (B, n, V): the log-probs after each of the last n positions. A trimmed
+        head's dropped ids get -inf, so samplers and results keep full token ids."""
         with run_errors(self.folder.graph_path):
-            lp = self._forward_graph(input_ids, attention_mask, position_ids)
+            lp = self._forward_graph(input_ids, attention_mask, position_ids, keep)
         return lp if self.kept_ids is None else self.to_full_vocab(lp)
 
     def to_full_vocab(self, lp: np.ndarray) -> np.ndarray:
-        """(B, K) log-probs of a trimmed head's kept ids -> a new (B, V) array, -inf elsewhere (cheap next to a
+        """(..., K) log-probs of a trimmed head's kept ids -> a new (..., V) array, -inf elsewhere (cheap next to a
         step)."""
-        full = np.full((lp.shape[0], self.vocab_size), -np.inf, dtype=np.float32)
-        full[:, self.kept_ids] = lp
+        full = np.full((*lp.shape[:-1], self.vocab_size), -np.inf, dtype=np.float32)
+        full[..., self.kept_ids] = lp
         return full
 
-    def _forward_graph(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """forward() before the trimmed head's mapping: (B, V) log-probs, (B, K) for a trimmed head."""
+    def _forward_graph(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, keep: int | None = None
+    ) -> np.ndarray:
+        """forward() before the trimmed head's mapping: (B, V) log-probs ((B, K) for a trimmed head)."""
         B, S = input_ids.shape
+        n = self._check_keep(keep, S)
         if self.shared and B > 1 and S > 1 and self.past_len > 0:
+            if keep is not None:
+                raise ValueError("keep= runs one row at a time on a shared-cache graph with a past")
             return self._forward_rows(input_ids, attention_mask, position_ids)
         if not self.io_binding:
             feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+            if self.graph.keeps:
+                feed[KEEP_INPUT] = np.arange(S - n, S, dtype=np.int64)
             feed.update(zip(self.past_names, self.cache.tensors(self.past_len) if self.shared else self._presents))
             out = self.session.run(None, feed, self.graph.run_options)
             if self.shared:
@@ -212,27 +231,66 @@ class OrtLM:
             else:
                 self._presents = out[1:]
             self.past_len += S
-            return out[0] if out[0].ndim == 2 else out[0][:, -1]
+            return _rows(out[0], keep)
 
         b = self.binding
         inputs = {"input_ids": input_ids, "position_ids": position_ids}
-        if self.shared and S == self._bound_seq:
+        if self.graph.keeps:
+            inputs[KEEP_INPUT] = np.arange(S - n, S, dtype=np.int64)
+        if self.shared and S == self._bound_seq and n == self._bound_keep:
             # decode steps of a shared-cache graph bind the same buffers: refresh ids and positions in place
             # (ORT reads them at run time) instead of re-binding ~4 x n_layer tensors per step
             for name, arr in inputs.items():
                 self._inputs[name][...] = arr
         else:
-            self._bind_step(inputs, S)
+            self._bind_step(inputs, S, n)
             self._bound_seq = S if self.shared else 0
+            self._bound_keep = n
         self._bind_mask(attention_mask)  # the one input whose shape grows every step
         self.session.run_with_iobinding(b, self.graph.run_options)
         self.cache.after_step(self.past_len, S)
         self.past_len += S
         lp = self._logprobs
         if lp is None:
-            return b.get_outputs()[0].numpy()[:, -1]
+            return _rows(b.get_outputs()[0].numpy(), keep)
         # on CUDA only this (B, V) tensor crosses to the host each step; the cache stays on the device
-        return lp if self.device == "cpu" else lp.numpy()
+        return _rows(lp if self.device == "cpu" else lp.numpy(), keep)
+
+    def _check_keep(self, keep: int | None, S: int) -> int:
+        """How many positions' log-probs this step returns (1 without keep); a last-position head has one."""
+        if keep is None:
+            return 1
+        if not 1 <= keep <= S:
+            raise ValueError(f"keep must be 1..{S} for a step of {S} tokens, got {keep}")
+        if keep > 1 and self.folder.head == "last":
+            raise ModelFolderError(
+                f"{self.folder.path} returns log-probs at the last position only; export it with --head tail "
+                "(or --head all) for log-probs at several positions of a step."
+            )
+        return keep
+
+    def rewind(self, past_len: int) -> None:
+        """Forget every cached position from past_len on (a shared cache: the graph reads only the first
+        past_len slots and the next step overwrites the rest, so moving the length back is the whole rollback)."""
+        if not self.shared:
+            raise ValueError("rewind needs a shared cache; a concat cache keeps its positions (see compact)")
+        if not 0 <= past_len <= self.past_len:
+            raise ValueError(f"cannot rewind a cache of {self.past_len} positions to {past_len}")
+        self.past_len = past_len
+
+    def compact(self, slots: np.ndarray) -> None:
+        """Keep only the cached positions `slots` (increasing), moved to the front: one copy of what is kept.
+
+        A concat cache is (B, nh, T, hs) per tensor, and its first T' positions are not a (B, nh, T', hs)
+        tensor when nh > 1, so dropping positions (rejected draft tokens, masked out until then) needs this copy."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if self.shared:
+            raise ValueError("compact is for concat caches; a shared cache rewinds")
+        if self.io_binding:
+            self.cache.compact(self.past_len, slots)
+        else:
+            self._presents = [np.ascontiguousarray(p[:, :, slots]) for p in self._presents]
+        self.past_len = len(slots)
 
     def _forward_rows(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """The shared graph's GroupQueryAttention refuses batch > 1 with seq > 1 on a past, so such a step runs
@@ -244,6 +302,8 @@ class OrtLM:
         for r in range(B):
             step = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
             feed = {name: np.ascontiguousarray(a[r : r + 1], dtype=np.int64) for name, a in step.items()}
+            if self.graph.keeps:
+                feed[KEEP_INPUT] = np.array([S - 1], dtype=np.int64)
             cache = self.cache.row(r)  # (1, nh, capacity, hs) views, one per past/present name
             if self.io_binding:
                 b = self.session.io_binding()
@@ -270,22 +330,36 @@ class OrtLM:
         view[...] = mask
         self.binding.bind_input("attention_mask", "cpu", 0, np.int64, list(mask.shape), view.ctypes.data)
 
-    def _bind_step(self, inputs: dict[str, np.ndarray], S: int) -> None:
+    def _bind_step(self, inputs: dict[str, np.ndarray], S: int, keep: int = 1) -> None:
         """Bind ids and positions (our own int64 buffers, by pointer), logprobs and the cache for a step of
-        S tokens."""
+        S tokens (`keep` positions of log-probs from a tail head)."""
         b = self.binding
         self._inputs = {name: np.array(arr, dtype=np.int64, order="C") for name, arr in inputs.items()}
         for name, arr in self._inputs.items():
             b.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
         # outputs come back in binding order: logprobs first, then the presents
         lp = self._logprobs
-        if lp is None:  # head "all": (B, S, V) varies with S, let ORT allocate it
+        B = len(self._inputs["input_ids"])
+        if self.graph.keeps and self.device == "cpu":  # tail head: (B, keep, V) into our own flat buffer
+            size = B * keep * self.vocab_size
+            if self._tail.size < size:
+                self._tail = np.empty(size, dtype=np.float32)
+            self._logprobs = lp = self._tail[:size].reshape(B, keep, self.vocab_size)
+            b.bind_output("logprobs", "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
+        elif lp is None:  # head "all" (B, S, V), or a tail head on CUDA: the shape varies, ORT allocates it
             b.bind_output("logprobs", ORT_DEVICE[self.device])
         elif self.device == "cpu":
             b.bind_output("logprobs", "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
         else:
             b.bind_ortvalue_output("logprobs", lp)
         self.cache.bind(b, self.past_names, self.present_names, self.past_len, S)
+
+
+def _rows(lp: np.ndarray, keep: int | None) -> np.ndarray:
+    """A step's (B, V), (B, S, V) or (B, keep, V) log-probs -> (B, V) of the last position, or (B, keep, V)."""
+    if keep is None:
+        return lp if lp.ndim == 2 else lp[:, -1]
+    return lp[:, -keep:]
 
 
 class LMPool:

@@ -1,0 +1,131 @@
+"""Speculative decoding's decisions: which token plain decoding would pick (greedy) or from which distribution
+it would draw (sampling), and the accept/reject rule that keeps the output exactly the target's.
+
+Every distribution here is the PROCESSED one, built by gpt2edge.runtime.sampling's own functions in the order
+next_tokens applies them (repetition penalty, min_new_tokens, temperature, top-k, top-p), so a step's p is
+exactly what plain sampling would draw from after the same tokens.
+
+The rule (Leviathan et al. 2023, Chen et al. 2023): draft token x, drawn from q, is accepted with probability
+min(1, p(x) / q(x)); at the first rejection the target's token is drawn from norm(max(0, p - q)); when every
+draft token is accepted, one more is drawn from the target's p at the next position. Each emitted token is then
+distributed exactly as under p. A deterministic drafter (prompt lookup) has a one-hot q: x is accepted with
+probability p(x), and on rejection the token comes from p without x, renormalised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    next_tokens,
+    row_candidates,
+    sample_index,
+    suppress_tokens,
+)
+
+# SamplingParams fields whose effect on the next-token distribution this module reproduces (or that do not
+# shape it); a field added later with a non-default value is refused rather than silently ignored
+HANDLED_PARAMS = frozenset(
+    {
+        "max_new_tokens",
+        "min_new_tokens",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "repetition_penalty",
+        "eos_token_id",
+        "stop",
+        "seed",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one verify step: how many draft tokens were accepted, and the target's next token."""
+
+    accepted: int
+    token: int
+
+
+def check_params(params: SamplingParams) -> None:
+    """Refuse what speculative decoding does not reproduce: beam search, and processors this module lacks."""
+    if getattr(params, "num_beams", 1) > 1:
+        raise GenerationError(
+            "Speculative decoding (--draft / --prompt-lookup) cannot be combined with beam search "
+            "(num_beams > 1); drop one of them."
+        )
+    for f in dataclasses.fields(params):
+        if f.name in HANDLED_PARAMS or f.name == "num_beams":
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if getattr(params, f.name) != default:
+            raise GenerationError(
+                f"Speculative decoding does not support {f.name}={getattr(params, f.name)!r} yet; generate "
+                "without --draft / --prompt-lookup."
+            )
+
+
+def processed_scores(row: np.ndarray, params: SamplingParams, seen: np.ndarray, n_generated: int) -> np.ndarray:
+    """(V,) log-probs -> the (V,) scores next_tokens samples from (before temperature, top-k and top-p)."""
+    scores = apply_repetition_penalty(row[None], [seen], params.repetition_penalty)
+    if n_generated < params.min_new_tokens:
+        scores = suppress_tokens(scores, params.eos_token_id)
+    return scores[0]
+
+
+def target_probs(row: np.ndarray, params: SamplingParams, seen: np.ndarray, n_generated: int) -> np.ndarray:
+    """(V,) log-probs -> the (V,) float64 distribution plain sampling draws the next token from."""
+    scores = processed_scores(row, params, seen, n_generated)
+    ids, probs = row_candidates(scores, params.temperature, params.top_k, params.top_p)
+    out = np.zeros(row.shape[-1], dtype=np.float64)
+    out[ids] = probs
+    return out / out.sum()
+
+
+def greedy_token(row: np.ndarray, params: SamplingParams, seen: np.ndarray, n_generated: int) -> int:
+    """The token plain greedy decoding picks from these (V,) log-probs: next_tokens itself decides."""
+    return int(next_tokens(row[None], params, [seen], n_generated, None)[0])
+
+
+def verify_greedy(lp: np.ndarray, drafts: Sequence[int], choose: Callable[[np.ndarray, int], int]) -> Verdict:
+    """lp (k+1, V): the target's log-probs after the last accepted token and after each draft token.
+    choose(row, i) is the target's greedy pick at offset i. Accept drafts while they equal it."""
+    for i, d in enumerate(drafts):
+        t = choose(lp[i], i)
+        if t != d:
+            return Verdict(i, t)
+    return Verdict(len(drafts), choose(lp[len(drafts)], len(drafts)))
+
+
+def verify_sampled(
+    lp: np.ndarray,
+    drafts: Sequence[int],
+    q: np.ndarray | None,
+    probs_at: Callable[[np.ndarray, int], np.ndarray],
+    rng: np.random.Generator,
+) -> Verdict:
+    """The accept/reject rule (module docstring). q (k, V): the distributions the drafts were drawn from, None
+    for deterministic drafts; probs_at(row, i) is the target's processed distribution at offset i."""
+    for i, x in enumerate(drafts):
+        p = probs_at(lp[i], i)
+        qx = 1.0 if q is None else float(q[i, x])
+        if rng.random() * qx < p[x]:  # accepted with probability min(1, p(x) / q(x))
+            continue
+        if q is None:
+            residual = p.copy()
+            residual[x] = 0.0  # max(0, p - onehot(x))
+        else:
+            residual = np.maximum(p - q[i], 0.0)
+        if residual.sum() <= 0.0:  # p equals q up to rounding: the residual is empty, p is the answer
+            residual = p
+        return Verdict(i, sample_index(residual, rng))
+    return Verdict(len(drafts), sample_index(probs_at(lp[len(drafts)], len(drafts)), rng))
