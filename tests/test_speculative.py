@@ -415,12 +415,14 @@ def test_a_draft_with_another_vocabulary_is_refused(targets, tiny_export, tmp_pa
 
 
 def test_a_trimmed_vocabulary_draft_needs_the_same_trim_on_the_target(targets, tiny_export, tmp_path):
-    trim = {"kept": 300, "sha256": "0" * 64}
-    trimmed = _copy_with(tiny_export, tmp_path / "trimmed", manifest_edit=lambda m: m.update(vocab=trim))
+    from gpt2edge.trim.handler import trim_vocab
+
+    ids = tmp_path / "keep.json"
+    ids.write_text(json.dumps(list(range(300)) + [Generator(tiny_export).eos_token_id[0]]))
+    trimmed = tmp_path / "trimmed"
+    trim_vocab(tiny_export, trimmed, keep_ids=ids, report=False)
     with pytest.raises(ModelFolderError, match="vocabulary-trimmed"):
         Generator(targets["concat"], draft=trimmed)
-    target = _copy_with(targets["concat"], tmp_path / "target-trimmed", manifest_edit=lambda m: m.update(vocab=trim))
-    Generator(target, draft=trimmed)  # the identical trim is fine
 
 
 def test_a_draft_not_smaller_than_the_target_warns(targets):
@@ -449,10 +451,19 @@ def test_beam_search_and_unknown_processors_are_refused():
     check_params(Beam(num_beams=1))
     with pytest.raises(GenerationError, match="beam search"):
         check_params(Beam(num_beams=4))
-    MinP = dataclasses.make_dataclass("MinP", [("min_p", float, 0.0)], bases=(SamplingParams,), frozen=True)
-    check_params(MinP())
-    with pytest.raises(GenerationError, match="does not support min_p=0.1"):
-        check_params(MinP(min_p=0.1))
+    # a processor added to SamplingParams later (here a made-up one) is refused until this module reproduces it
+    Eta = dataclasses.make_dataclass("Eta", [("eta_cutoff", float, 0.0)], bases=(SamplingParams,), frozen=True)
+    check_params(Eta())
+    with pytest.raises(GenerationError, match="does not support eta_cutoff=0.1"):
+        check_params(Eta(eta_cutoff=0.1))
+
+
+def test_draft_with_beams_or_logprobs_is_refused(targets):
+    spec = Generator(targets["concat"], prompt_lookup=2)
+    with pytest.raises(GenerationError, match="one sequence per prompt"):
+        spec.generate("The river", num_beams=2, max_new_tokens=4)
+    with pytest.raises(GenerationError, match="logprobs is not recorded by speculative decoding"):
+        spec.generate("The river", logprobs=2, max_new_tokens=4)
 
 
 def test_tail_exports_are_refused_by_quantize_and_genai_with_the_fix(targets, tmp_path):

@@ -21,14 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.sampling import (
-    SamplingParams,
-    apply_repetition_penalty,
-    next_tokens,
-    row_candidates,
-    sample_index,
-    suppress_tokens,
-)
+from gpt2edge.runtime.sampling import SamplingParams, apply_processors, next_tokens, sample_index, warp_row
 
 # SamplingParams fields whose effect on the next-token distribution this module reproduces (or that do not
 # shape it); a field added later with a non-default value is refused rather than silently ignored
@@ -41,6 +34,10 @@ HANDLED_PARAMS = frozenset(
         "top_k",
         "top_p",
         "repetition_penalty",
+        "min_p",
+        "typical_p",
+        "no_repeat_ngram_size",
+        "bad_words_ids",
         "eos_token_id",
         "stop",
         "seed",
@@ -75,17 +72,15 @@ def check_params(params: SamplingParams) -> None:
 
 
 def processed_scores(row: np.ndarray, params: SamplingParams, seen: np.ndarray, n_generated: int) -> np.ndarray:
-    """(V,) log-probs -> the (V,) scores next_tokens samples from (before temperature, top-k and top-p)."""
-    scores = apply_repetition_penalty(row[None], [seen], params.repetition_penalty)
-    if n_generated < params.min_new_tokens:
-        scores = suppress_tokens(scores, params.eos_token_id)
-    return scores[0]
+    """(V,) log-probs -> the (V,) scores next_tokens samples from: the processors (repetition penalty, n-gram and
+    bad-word bans, min_new_tokens) over `seen` (prompt + generated), before the sampling warpers."""
+    return apply_processors(row[None], params, [seen], n_generated)[0]
 
 
 def target_probs(row: np.ndarray, params: SamplingParams, seen: np.ndarray, n_generated: int) -> np.ndarray:
     """(V,) log-probs -> the (V,) float64 distribution plain sampling draws the next token from."""
     scores = processed_scores(row, params, seen, n_generated)
-    ids, probs = row_candidates(scores, params.temperature, params.top_k, params.top_p)
+    ids, probs = warp_row(scores, params)  # temperature, top-k, top-p, min-p, typical-p, as plain sampling
     out = np.zeros(row.shape[-1], dtype=np.float64)
     out[ids] = probs
     return out / out.sum()

@@ -206,7 +206,7 @@ def _decide(lp: np.ndarray, draft: Draft, params, history: list[int], n_generate
             f"The model produced NaN log-probabilities at decode step {n_generated}; generation stopped rather "
             "than emit garbage (an fp16 overflow or a corrupted model?). Try the fp32 export."
         )
-    penalised = params.repetition_penalty != 1.0
+    penalised = params.uses_history  # repetition penalty, n-gram and bad-word bans read the ids so far
 
     def seen(i: int) -> np.ndarray:
         return np.asarray(history + draft.tokens[:i] if penalised else (), dtype=np.int64)
