@@ -68,7 +68,7 @@ def run_spec_bench(model_dir: Path, cfg: BenchConfig, spec: SpecBench, log=sys.s
         prompt_lookup=spec.prompt_lookup,
         draft_tokens=spec.draft_tokens,
     )
-    cfg.check_lengths(gen.folder.dims["n_positions"])
+    cfg = cfg.fitted(gen.lm.n_positions)  # defaults shrunk to fit the model, given lengths checked
     prompts = text_prompts(gen, spec.texts, cfg.prompt_len) if spec.texts else bench_prompts(cfg, gen.lm.vocab_size)
     sampling = SAMPLING if spec.sample else {}  # greedy by default; EOS ignored either way
     params = SamplingParams(max_new_tokens=cfg.new_tokens, seed=cfg.seed, **sampling)
