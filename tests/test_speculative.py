@@ -334,19 +334,19 @@ def test_sampling_follows_the_target_distribution(targets, drafts, drafter, monk
         assert caught, f"the test cannot tell {broken.__name__} from the rule"
 
 
-def _accept_all(lp, drafts, q, probs_at, rng):
+def _accept_all(lp, drafts, q, dist_at, rng):
     """A broken rule: every draft accepted (the output then follows the drafter)."""
-    return spec_rules.Verdict(len(drafts), spec_rules.sample_index(probs_at(lp[len(drafts)], len(drafts)), rng))
+    return spec_rules.Verdict(len(drafts), dist_at(lp[len(drafts)], len(drafts)).sample(rng))
 
 
-def _reject_from_p(lp, drafts, q, probs_at, rng):
+def _reject_from_p(lp, drafts, q, dist_at, rng):
     """A subtler broken rule: the right acceptance test, but a rejected draft is replaced by a draw from p
     instead of norm(max(0, p - q))."""
     for i, x in enumerate(drafts):
-        p = probs_at(lp[i], i)
-        if rng.random() * (1.0 if q is None else float(q[i, x])) >= p[x]:
-            return spec_rules.Verdict(i, spec_rules.sample_index(p, rng))
-    return spec_rules.Verdict(len(drafts), spec_rules.sample_index(probs_at(lp[len(drafts)], len(drafts)), rng))
+        p = dist_at(lp[i], i)
+        if rng.random() * (1.0 if q is None else float(q[i].at(x))) >= p.at(x):
+            return spec_rules.Verdict(i, p.sample(rng))
+    return spec_rules.Verdict(len(drafts), dist_at(lp[len(drafts)], len(drafts)).sample(rng))
 
 
 # --- the pieces ----------------------------------------------------------------------------------------------

@@ -17,17 +17,17 @@ from tokenizers import Tokenizer
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.runtime.lm import OrtLM
 from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.sampling import SamplingParams, sample_index
+from gpt2edge.runtime.sampling import SamplingParams
 from gpt2edge.runtime.spec_cache import CachedSequence
-from gpt2edge.runtime.spec_rules import greedy_token, target_probs
+from gpt2edge.runtime.spec_rules import Dist, greedy_token, target_dist
 
 
 @dataclass
 class Draft:
-    """Proposed tokens, and q (len(tokens), V): the distributions they were drawn from (None: deterministic)."""
+    """Proposed tokens, and q: the distribution each was drawn from (None: deterministic drafts)."""
 
     tokens: list[int]
-    q: np.ndarray | None = None
+    q: list[Dist] | None = None
 
 
 def lookup(history: Sequence[int], ngram: int, k: int) -> list[int]:
@@ -78,18 +78,18 @@ class ModelDrafter:
         seen = list(history) if params.repetition_penalty != 1.0 else []
         lp = self.seq.sync(history)
         tokens: list[int] = []
-        qs: list[np.ndarray] = []
+        qs: list[Dist] = []
         for i in range(k):
             seen_i = np.asarray(seen + tokens if seen else (), dtype=np.int64)
             if params.greedy:
                 tokens.append(greedy_token(lp, params, seen_i, n_generated + i))
             else:
-                q = target_probs(lp, params, seen_i, n_generated + i)
-                tokens.append(sample_index(q, rng))
+                q = target_dist(lp, params, seen_i, n_generated + i)
+                tokens.append(q.sample(rng))
                 qs.append(q)
             if i + 1 < k:
                 lp = self.seq.feed(tokens[-1:])
-        return Draft(tokens, np.stack(qs) if qs else None)
+        return Draft(tokens, qs or None)
 
 
 def draft_warnings(target: ModelFolder, draft: ModelFolder) -> list[str]:

@@ -46,6 +46,23 @@ HANDLED_PARAMS = frozenset(
 
 
 @dataclass(frozen=True)
+class Dist:
+    """A processed next-token distribution on its support: increasing token ids and their probabilities (top-k
+    and top-p keep few tokens, so nothing here touches the whole vocabulary unless the support is that big)."""
+
+    ids: np.ndarray  # (n,) int64, increasing
+    probs: np.ndarray  # (n,) float64, sums to 1
+
+    def at(self, tokens) -> np.ndarray:
+        """Probabilities of `tokens` (an id or an array of ids); 0 outside the support."""
+        pos = np.minimum(np.searchsorted(self.ids, tokens), len(self.ids) - 1)
+        return np.where(self.ids[pos] == tokens, self.probs[pos], 0.0)
+
+    def sample(self, rng: np.random.Generator) -> int:
+        return int(self.ids[sample_index(self.probs, rng)])
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The outcome of one verify step: how many draft tokens were accepted, and the target's next token."""
 
@@ -77,13 +94,13 @@ def processed_scores(row: np.ndarray, params: SamplingParams, seen: np.ndarray, 
     return apply_processors(row[None], params, [seen], n_generated)[0]
 
 
-def target_probs(row: np.ndarray, params: SamplingParams, seen: np.ndarray, n_generated: int) -> np.ndarray:
-    """(V,) log-probs -> the (V,) float64 distribution plain sampling draws the next token from."""
+def target_dist(row: np.ndarray, params: SamplingParams, seen: np.ndarray, n_generated: int) -> Dist:
+    """(V,) log-probs -> the distribution plain sampling draws the next token from (next_tokens' candidates)."""
     scores = processed_scores(row, params, seen, n_generated)
     ids, probs = warp_row(scores, params)  # temperature, top-k, top-p, min-p, typical-p, as plain sampling
-    out = np.zeros(row.shape[-1], dtype=np.float64)
-    out[ids] = probs
-    return out / out.sum()
+    order = np.argsort(ids)
+    probs = probs[order].astype(np.float64)
+    return Dist(ids[order].astype(np.int64), probs / probs.sum())
 
 
 def greedy_token(row: np.ndarray, params: SamplingParams, seen: np.ndarray, n_generated: int) -> int:
@@ -104,23 +121,21 @@ def verify_greedy(lp: np.ndarray, drafts: Sequence[int], choose: Callable[[np.nd
 def verify_sampled(
     lp: np.ndarray,
     drafts: Sequence[int],
-    q: np.ndarray | None,
-    probs_at: Callable[[np.ndarray, int], np.ndarray],
+    q: Sequence[Dist] | None,
+    dist_at: Callable[[np.ndarray, int], Dist],
     rng: np.random.Generator,
 ) -> Verdict:
-    """The accept/reject rule (module docstring). q (k, V): the distributions the drafts were drawn from, None
-    for deterministic drafts; probs_at(row, i) is the target's processed distribution at offset i."""
+    """The accept/reject rule (module docstring). q: the distributions the drafts were drawn from, None for
+    deterministic drafts; dist_at(row, i) is the target's processed distribution at offset i."""
     for i, x in enumerate(drafts):
-        p = probs_at(lp[i], i)
-        qx = 1.0 if q is None else float(q[i, x])
-        if rng.random() * qx < p[x]:  # accepted with probability min(1, p(x) / q(x))
+        p = dist_at(lp[i], i)
+        qx = 1.0 if q is None else float(q[i].at(x))
+        if rng.random() * qx < p.at(x):  # accepted with probability min(1, p(x) / q(x))
             continue
-        if q is None:
-            residual = p.copy()
-            residual[x] = 0.0  # max(0, p - onehot(x))
-        else:
-            residual = np.maximum(p - q[i], 0.0)
+        # max(0, p - q) is 0 outside p's support, so p's support is enough; q one-hot: p without x
+        q_on_p = (p.ids == x).astype(np.float64) if q is None else q[i].at(p.ids)
+        residual = np.maximum(p.probs - q_on_p, 0.0)
         if residual.sum() <= 0.0:  # p equals q up to rounding: the residual is empty, p is the answer
-            residual = p
-        return Verdict(i, sample_index(residual, rng))
-    return Verdict(len(drafts), sample_index(probs_at(lp[len(drafts)], len(drafts)), rng))
+            residual = p.probs
+        return Verdict(i, int(p.ids[sample_index(residual, rng)]))
+    return Verdict(len(drafts), dist_at(lp[len(drafts)], len(drafts)).sample(rng))

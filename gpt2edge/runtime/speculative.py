@@ -29,7 +29,7 @@ from gpt2edge.runtime.lm import LMPool, OrtGraph, OrtLM
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.sampling import SamplingParams
 from gpt2edge.runtime.spec_cache import CachedSequence
-from gpt2edge.runtime.spec_rules import check_params, greedy_token, target_probs, verify_greedy, verify_sampled
+from gpt2edge.runtime.spec_rules import check_params, greedy_token, target_dist, verify_greedy, verify_sampled
 from gpt2edge.runtime.tokenizer import TextStream, TextTokenizer
 
 ADAPTIVE_START = 4  # first k when --draft-tokens is not given
@@ -139,13 +139,14 @@ class Speculator:
         k, adaptive = self.lengths
         lengths = DraftLength(k or ADAPTIVE_START, adaptive)
         total = len(state.prompts[0]) + state.params.max_new_tokens
-        room = max(DEAD_ROOM, 2 * (lengths.most + 1))
+        most = min(lengths.most, state.params.max_new_tokens)  # drafts never run past max_new_tokens
+        room = max(DEAD_ROOM, 2 * (most + 1))
         with self._pool.lease() if self._pool is not None else nullcontext() as draft_lm:
             if draft_lm is None:
                 drafter = PromptLookupDrafter(self.lookup)
             else:
-                drafter = ModelDrafter(draft_lm, total + lengths.most + 1, room)
-            target = CachedSequence(lm, total + lengths.most + 1, room)
+                drafter = ModelDrafter(draft_lm, total + most + 1, room)
+            target = CachedSequence(lm, total + most + 1, room)
             yield from speculative_steps(target, drafter, tokenizer, state, lengths)
 
 
@@ -213,8 +214,8 @@ def _decide(lp: np.ndarray, draft: Draft, params, history: list[int], n_generate
 
     if params.greedy:
         return verify_greedy(lp, draft.tokens, lambda row, i: greedy_token(row, params, seen(i), n_generated + i))
-    probs_at = lambda row, i: target_probs(row, params, seen(i), n_generated + i)  # noqa: E731
-    return verify_sampled(lp, draft.tokens, draft.q, probs_at, rng)
+    dist_at = lambda row, i: target_dist(row, params, seen(i), n_generated + i)  # noqa: E731
+    return verify_sampled(lp, draft.tokens, draft.q, dist_at, rng)
 
 
 def _emit(state: GenerationState, tok: int) -> Step:
