@@ -1,0 +1,69 @@
+"""What every command shares: the group, one-line errors, JSON output, warnings on stderr, option ranges."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import sys
+import warnings
+
+import click
+
+from gpt2edge import __version__
+from gpt2edge.errors import Gpt2EdgeError
+
+
+def friendly_errors(fn):
+    """Turn gpt2edge's typed errors into one line on stderr and exit status 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Gpt2EdgeError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        except MemoryError as e:  # e.g. numpy cannot allocate the KV cache of 10^7 beams
+            click.echo(
+                f"error: out of memory ({e or 'allocation failed'}); ask for less (fewer prompts, beams or samples, "
+                "a smaller -n), or free memory.",
+                err=True,
+            )
+            sys.exit(1)
+
+    return wrapper
+
+
+def print_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def report_stream(as_json: bool):
+    """Where a human report (validation table, quality report) goes: stdout, or stderr under --json, whose
+    stdout is exactly one JSON document. Progress bars (on a terminal only) and errors go to stderr."""
+    return sys.stderr if as_json else sys.stdout
+
+
+THREADS = click.IntRange(1, 1024)  # ONNX Runtime would try to start any number of threads
+
+
+SEEDS = click.IntRange(0, 2**63 - 1)
+
+
+@contextlib.contextmanager
+def warnings_to_stderr():
+    """Library warnings (e.g. a draft model that is not smaller) as one `warning:` line each on stderr."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in caught:
+                click.echo(f"warning: {w.message}", err=True)
+
+
+@click.group()
+@click.version_option(__version__, prog_name="gpt2edge")
+def main() -> None:
+    """Export GPT-2-family models to ONNX, quantize them, and generate text on ONNX Runtime."""

@@ -1,0 +1,295 @@
+"""`gpt2edge generate`: its options, the checks on their combinations, and the dispatch to the runtime."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from gpt2edge.cli.common import SEEDS, THREADS, friendly_errors, main, warnings_to_stderr
+from gpt2edge.cli.generate_output import (
+    generate_batch,
+    generate_each,
+    generate_search,
+    note_ignored_knobs,
+)
+from gpt2edge.prompt_input import FORMATS
+
+
+def _cfg_default(value: object) -> str:
+    return f"[default: the model's generation_config.json, else {value}]"
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option(
+    "-p",
+    "--prompt",
+    "prompts",
+    multiple=True,
+    help="Prompt text; repeat for a batch. '-' reads one prompt from stdin (one trailing newline dropped).",
+)
+@click.option(
+    "-f",
+    "--prompt-file",
+    "prompt_files",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+    help="Prompts from a UTF-8 file ('-': stdin), see --format; repeatable, after the -p prompts.",
+)
+@click.option(
+    "--format",
+    "file_format",
+    type=click.Choice(FORMATS),
+    default="auto",
+    show_default=True,
+    help='-f files. lines: one prompt per non-blank line. jsonl: one JSON object per non-blank line, its "prompt" '
+    "string. auto: jsonl when every non-blank line is such an object, else lines.",
+)
+@click.option(
+    "--sequential", is_flag=True, help="Generate the prompts one after another (each streamed), not as one batch."
+)
+@click.option(
+    "-n",
+    "--max-new-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tokens to generate " + _cfg_default(32) + ".",
+)
+@click.option(
+    "--min-new-tokens",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Suppress EOS until this many tokens " + _cfg_default(0) + ".",
+)
+@click.option(
+    "--do-sample/--greedy",
+    default=None,
+    help="Sample the next token, or take the most likely one " + _cfg_default("greedy") + ". "
+    "--temperature, --top-k, --top-p and --seed only act when sampling; given without it, a notice on stderr "
+    "says they are ignored.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Sampling temperature; 0 = greedy " + _cfg_default(1.0) + ".",
+)
+@click.option(
+    "--top-k",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Sample among the k most likely tokens; 0 = all " + _cfg_default(50) + ".",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=None,
+    help="Sample in the smallest set of tokens holding this probability mass, in (0, 1] " + _cfg_default(1.0) + ".",
+)
+@click.option(
+    "--repetition-penalty",
+    type=float,
+    default=None,
+    help="> 1 discourages repeats, greedy or sampling " + _cfg_default(1.0) + ".",
+)
+@click.option(
+    "--min-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=None,
+    help="Sample among tokens at least this fraction of the best one's probability " + _cfg_default("off") + ".",
+)
+@click.option(
+    "--typical-p",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=None,
+    help="Locally typical sampling mass in (0, 1] " + _cfg_default(1.0) + ".",
+)
+@click.option(
+    "--no-repeat-ngram-size",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Never repeat an n-gram of this size, greedy or sampling; 0 = off " + _cfg_default(0) + ".",
+)
+@click.option("--ban", multiple=True, help="Never generate this text (repeatable; also with a leading space).")
+@click.option("--seed", type=SEEDS, default=None, help="Seed of the sampler: same seed, same tokens [default: random].")
+@click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); not included in the output.")
+@click.option("--ignore-eos", is_flag=True, help="Keep going past the end-of-text token.")
+@click.option("--truncate", is_flag=True, help="Keep the end of a prompt that does not fit instead of failing.")
+@click.option(
+    "--num-beams",
+    type=int,
+    default=None,
+    help="Beam search with this many beams (1 = off) [default: the model's generation_config.json, else 1].",
+)
+@click.option(
+    "--num-return-sequences",
+    type=int,
+    default=None,
+    help="Sequences per prompt (<= --num-beams) [default: the model's generation_config.json, else 1].",
+)
+@click.option("--length-penalty", type=float, default=None, help="Beam score = logprob / len**this [default: 1.0].")
+@click.option(
+    "--early-stopping",
+    type=click.Choice(["true", "false", "never"], case_sensitive=False),
+    default=None,
+    help="When beam search stops (transformers' early_stopping) [default: false].",
+)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option(
+    "--threads", type=THREADS, default=None, help="Intra-op threads, 1..1024 [default: ONNX Runtime's choice]."
+)
+@click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
+@click.option("--no-stream", is_flag=True, help="Print the text once it is complete.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (implies --no-stream).")
+@click.option(
+    "--logprobs",
+    type=int,
+    default=None,
+    help="With --json: each token's log-prob and the N most likely (0 = the chosen token only).",
+)
+@click.option("-i", "--interactive", is_flag=True, help="Each line of stdin extends the context; /reset, /quit.")
+@click.option(
+    "--draft",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Speculative decoding with this draft model folder (same tokenizer, smaller model).",
+)
+@click.option(
+    "--prompt-lookup",
+    type=int,
+    default=None,
+    help="Speculative decoding with drafts copied from the context: the longest n-gram to match (e.g. 2).",
+)
+@click.option("--draft-tokens", type=int, default=None, help="Draft tokens per target step [default: adaptive].")
+@friendly_errors
+def generate(
+    model_dir,
+    prompts,
+    prompt_files,
+    file_format,
+    sequential,
+    max_new_tokens,
+    min_new_tokens,
+    do_sample,
+    temperature,
+    top_k,
+    top_p,
+    repetition_penalty,
+    min_p,
+    typical_p,
+    no_repeat_ngram_size,
+    ban,
+    seed,
+    stop,
+    ignore_eos,
+    truncate,
+    num_beams,
+    num_return_sequences,
+    length_penalty,
+    early_stopping,
+    device,
+    threads,
+    no_verify,
+    no_stream,
+    as_json,
+    logprobs,
+    interactive,
+    draft,
+    prompt_lookup,
+    draft_tokens,
+) -> None:
+    """Generate text from the export folder MODEL_DIR (no PyTorch needed).
+
+    One prompt streams; several run as one left-padded batch (--sequential: one after another). Ctrl-C stops,
+    prints what was generated, says [interrupted] on stderr and exits with status 130.
+    """
+    from gpt2edge.prompt_input import collect_prompts
+    from gpt2edge.runtime import Generator
+    from gpt2edge.runtime.beam import search_params
+
+    _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, interactive, truncate, sequential)
+    _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping)
+    try:
+        # prompts are read and checked before the model is loaded
+        read_stdin = lambda: sys.stdin.buffer.read()  # noqa: E731
+        # -i without -p starts from an empty context (its turns come from stdin)
+        texts = [] if interactive and not prompts else collect_prompts(prompts, prompt_files, file_format, read_stdin)
+        speculative = dict(draft=draft, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)
+        with warnings_to_stderr():
+            gen = Generator(model_dir, device=device, threads=threads, verify=not no_verify, **speculative)
+        # the CLI always passes the mode: the folder's generation_config decides it unless a flag does
+        sample = do_sample if do_sample is not None else gen.sampling_params().do_sample
+        knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, seed=seed)
+        note_ignored_knobs(sample, knobs)
+        kwargs = dict(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            min_p=min_p,
+            typical_p=typical_p,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            ban=ban,
+            do_sample=sample,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+            truncate=truncate,
+        )
+        if interactive:
+            from gpt2edge.interactive import run_interactive
+
+            del kwargs["truncate"]  # a session drops its oldest tokens instead
+            sys.exit(run_interactive(gen, texts[0] if texts else None, kwargs))
+        # every prompt must fit before the first one is generated (--sequential would otherwise fail midway)
+        params = gen.sampling_params(**{k: v for k, v in kwargs.items() if k != "truncate"})
+        kwargs["logprobs"] = logprobs
+        for text in texts:
+            gen.encode_prompt(text, params.max_new_tokens, truncate)
+        search = dict(  # beam search / several sequences per prompt: printed once complete
+            num_beams=num_beams,
+            num_return_sequences=num_return_sequences,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+        )
+        stream = not (no_stream or as_json)
+        # generation_config.json may ask for beams or several sequences too: Generator.generate follows it
+        if search_params(gen.defaults, **search).expands:
+            interrupted = generate_search(gen, texts, {**kwargs, **search}, as_json)
+        elif sequential or len(texts) == 1:
+            interrupted = generate_each(gen, texts, kwargs, stream, as_json)
+        else:
+            interrupted = generate_batch(gen, texts, kwargs, as_json)
+    except KeyboardInterrupt:
+        interrupted = True
+    if interrupted:
+        click.echo("[interrupted]", err=True)
+        sys.exit(130)  # the shell's code for SIGINT: scripts can tell an interrupted run from a finished one
+
+
+def _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, interactive, truncate, sequential):
+    """Option combinations generate refuses, before the model is loaded."""
+    if interactive and (
+        len(prompts) > 1 or prompt_files or as_json or no_stream or logprobs is not None or truncate or sequential
+    ):
+        raise click.UsageError(
+            "-i takes at most one -p and no -f, --json, --no-stream, --logprobs, --truncate or --sequential."
+        )
+    if interactive and prompts == ("-",):
+        raise click.UsageError("-i reads its turns from stdin; give the first prompt as text, not '-'.")
+    if logprobs is not None and not as_json:
+        raise click.UsageError("--logprobs needs --json (the log-probs are part of the JSON output).")
+
+
+def _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping):
+    """A session continues one sequence: beam search options given with -i would be silently dropped."""
+    given = dict(num_beams=num_beams, num_return_sequences=num_return_sequences, length_penalty=length_penalty,
+                 early_stopping=early_stopping)  # fmt: skip
+    names = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+    if interactive and names:
+        raise click.UsageError(f"-i continues one sequence per turn; drop {', '.join(names)} (beam search and "
+                               "several sequences run without -i).")  # fmt: skip

@@ -1,0 +1,100 @@
+"""How `gpt2edge generate` prints: streamed or whole, one result per prompt or sequence, --json, timings."""
+
+from __future__ import annotations
+
+import click
+
+from gpt2edge.cli.common import print_json
+
+
+def note_ignored_knobs(sample: bool, knobs: dict) -> None:
+    """Sampling options given while sampling is off: one line on stderr instead of silently switching modes."""
+    given = [f"--{k.replace('_', '-')}" for k, v in knobs.items() if v is not None]
+    if given and not sample:
+        verb = "has" if len(given) == 1 else "have"
+        click.echo(f"note: sampling is off (greedy): {', '.join(given)} {verb} no effect; add --do-sample.", err=True)
+
+
+def generate_each(gen, texts: list[str], kwargs: dict, stream: bool, as_json: bool) -> bool:
+    """Each prompt on its own, streamed or printed; returns whether Ctrl-C stopped it."""
+    results = []
+    for text in texts:
+        result = _stream_one(gen, text, kwargs) if stream else gen.generate(text, **kwargs)
+        results.append(result)
+        if not as_json and not stream:
+            _print_result(text, result)
+        if not as_json:
+            print_timings(result.timings, len(result.token_ids))
+        if result.finish_reason == "interrupted":
+            break
+    if as_json:
+        _print_json_results(texts, results)
+    return any(r.finish_reason == "interrupted" for r in results)
+
+
+def _stream_one(gen, text: str, kwargs: dict):
+    """Print the prompt, then the generated text as it is decoded; returns the GenerationResult."""
+    results: list = []
+    pieces = gen.stream(text, result=results, **kwargs)  # raises on bad parameters, before output
+    click.echo(text, nl=False)
+    try:
+        for piece in pieces:
+            click.echo(piece, nl=False)
+    finally:
+        click.echo()  # end the line, also when Ctrl-C cut the stream
+    return results[0]
+
+
+def generate_batch(gen, texts: list[str], kwargs: dict, as_json: bool) -> bool:
+    """All prompts as one left-padded batch; returns whether Ctrl-C stopped it."""
+    results = gen.generate(texts, **kwargs)
+    if as_json:
+        _print_json_results(texts, results)
+    else:
+        for text, r in zip(texts, results):
+            _print_result(text, r)
+        print_timings(results[0].timings, sum(len(r.token_ids) for r in results))
+    return any(r.finish_reason == "interrupted" for r in results)
+
+
+def generate_search(gen, texts: list[str], kwargs: dict, as_json: bool) -> bool:
+    """Beam search or several sequences per prompt, one row per sequence (prompt by prompt, best first);
+    returns whether Ctrl-C stopped it."""
+    results = gen.generate(texts, **kwargs)
+    # num_return_sequences > 1 gives a list per prompt
+    rows = [(t, r) for t, res in zip(texts, results) for r in (res if isinstance(res, list) else [res])]
+    if as_json:
+        objs = [{"prompt": t, **r.to_json()} for t, r in rows]
+        print_json(objs[0] if len(objs) == 1 else {"results": objs})
+    else:
+        for t, r in rows:
+            _print_result(t, r)
+        print_timings(rows[0][1].timings, sum(len(r.token_ids) for _, r in rows))
+    return any(r.finish_reason == "interrupted" for _, r in rows)
+
+
+def _print_result(text: str, result) -> None:
+    click.echo(text + result.text)
+    score = "" if result.sequence_score is None else f", score {result.sequence_score:.4f}"
+    click.echo(f"[finish: {result.finish_reason}{score}]", err=True)
+
+
+def _print_json_results(texts: list[str], results: list) -> None:
+    """One object for one prompt, else {"results": [...]} (shorter when Ctrl-C stopped a --sequential run)."""
+    objs = [{"prompt": t, **r.to_json()} for t, r in zip(texts, results)]
+    print_json(objs[0] if len(texts) == 1 else {"results": objs})
+
+
+def print_timings(t: dict, n_tokens: int) -> None:
+    click.echo(
+        f"[{n_tokens} tokens | prefill {t['prefill_ms']:.1f} ms | decode {t['decode_ms_per_token_mean']:.2f} ms/token "
+        f"(mean) | sampler {t['sampler_ms_per_token_mean']:.3f} ms/token | {t['tokens_per_s']:.1f} tokens/s]",
+        err=True,
+    )
+    if "acceptance_rate" in t:  # speculative decoding: decode figures above are per target (verify) step
+        click.echo(
+            f"[speculative: {t['accepted_tokens']:.0f} of {t['draft_tokens']:.0f} draft tokens accepted "
+            f"({t['acceptance_rate'] * 100:.0f} %) | {t['tokens_per_target_step']:.2f} tokens per target step | "
+            f"{t['target_steps']:.0f} target steps | drafting {t['draft_ms_total']:.1f} ms]",
+            err=True,
+        )
