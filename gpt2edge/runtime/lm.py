@@ -27,7 +27,7 @@ class OrtGraph:
     Never changed after construction, so any number of OrtLMs in any threads may share it.
     """
 
-    def __init__(self, folder: ModelFolder, device: str = "cpu", threads: int | None = None) -> None:
+    def __init__(self, folder: ModelFolder, device: str = "cpu", threads: int | None = None, spin: bool = True) -> None:
         self.folder = folder
         self.device = device
         self.shared = folder.kv_cache == "shared"
@@ -37,7 +37,7 @@ class OrtGraph:
                 "export with --kv-cache concat."
             )
         self.session = create_session(
-            folder.graph_path, device=device, threads=threads, model_format=folder.graph_format
+            folder.graph_path, device=device, threads=threads, model_format=folder.graph_format, spin=spin
         )
         d = folder.dims
         self.n_layer, self.n_head, self.head_dim = d["n_layer"], d["n_head"], d["head_dim"]
