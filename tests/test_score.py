@@ -103,7 +103,9 @@ def test_tokenizer_larger_than_the_model_is_refused(tiny_export, tmp_path):
 
 
 def run_cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpt2edge.cli", *args], input=stdin, capture_output=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "gpt2edge.cli", *args], input=stdin, capture_output=True, timeout=120
+    )
 
 
 def test_score_cli_json_from_stdin_and_errors(tiny_export_all, tmp_path):

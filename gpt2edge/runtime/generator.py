@@ -122,7 +122,8 @@ class Generator:
         fixes k (default: adaptive). Output as without them: the same greedy tokens, the same distribution."""
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
-        self.graph = load_graph(self.folder, device=device, threads=threads)  # OrtGraph, or a static folder's
+        # a draft model alternates with this graph token by token: idle threads must not spin (session.py)
+        self.graph = load_graph(self.folder, device=device, threads=threads, spin=draft is None)
         self._pool = LMPool(self.graph, io_binding=io_binding)
         self.lm = self._pool.primary  # the context sequential calls use
         self.speculator = None

@@ -28,7 +28,9 @@ class OrtGraph:
     Never changed after construction, so any number of OrtLMs in any threads may share it.
     """
 
-    def __init__(self, folder: ModelFolder, device: str = "cpu", threads: int | None = None) -> None:
+    def __init__(
+        self, folder: ModelFolder, device: str = "cpu", threads: int | None = None, spin: bool = True
+    ) -> None:
         if folder.graph.static is not None:
             raise ModelFolderError(
                 f"{folder.path} is a static-shape export (--static); load it with gpt2edge.runtime.lm.load_graph "
@@ -43,7 +45,7 @@ class OrtGraph:
                 "export with --kv-cache concat."
             )
         self.session = create_session(
-            folder.graph_path, device=device, threads=threads, model_format=folder.graph_format
+            folder.graph_path, device=device, threads=threads, model_format=folder.graph_format, spin=spin
         )
         d = folder.dims
         self.n_layer, self.n_head, self.head_dim = d["n_layer"], d["n_head"], d["head_dim"]
@@ -94,12 +96,15 @@ class OrtGraph:
         return OrtLM(self, io_binding=io_binding)
 
 
-def load_graph(folder: ModelFolder, device: str = "cpu", threads: int | None = None) -> OrtGraph | StaticGraph:
+def load_graph(
+    folder: ModelFolder, device: str = "cpu", threads: int | None = None, spin: bool = True
+) -> OrtGraph | StaticGraph:
     """The folder's graph, loaded as its manifest says: a StaticGraph for a static-shape export, else an
-    OrtGraph. Either one's `new_lm()` makes a generation context (OrtLM or StaticLM, one contract)."""
+    OrtGraph. Either one's `new_lm()` makes a generation context (OrtLM or StaticLM, one contract). spin=False:
+    idle intra-op threads sleep (a draft model alternates with this graph token by token)."""
     if folder.graph.static is not None:
         return StaticGraph.from_folder(folder, device=device, threads=threads)
-    return OrtGraph(folder, device=device, threads=threads)
+    return OrtGraph(folder, device=device, threads=threads, spin=spin)
 
 
 class OrtLM:

@@ -67,11 +67,13 @@ def check_threads(threads: int | None) -> None:
 
 
 def create_session(
-    graph: Path, device: str = "cpu", threads: int | None = None, model_format: str = "onnx"
+    graph: Path, device: str = "cpu", threads: int | None = None, model_format: str = "onnx", spin: bool = True
 ) -> ort.InferenceSession:
     """A session on `device` ('cpu' or 'cuda'); raises DeviceError rather than silently falling back.
 
     model_format "ort" loads ONNX Runtime's own format (gpt2edge convert --format ort) whatever the file name.
+    spin=False: the intra-op threads sleep between runs instead of spinning (speculative decoding alternates
+    two sessions, whose spinning threads would otherwise take the cores the other one runs on).
     """
     if device not in PROVIDERS:
         raise DeviceError(f"Unknown device '{device}'; choose one of {', '.join(PROVIDERS)}.")
@@ -87,6 +89,8 @@ def create_session(
     if threads:
         opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1  # one graph at a time: parallelism lives inside the matmuls
+    if not spin:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if model_format == "ort":
         # said explicitly rather than left to the file suffix; the .ort graph was optimized when converted
         opts.add_session_config_entry("session.load_model_format", "ORT")

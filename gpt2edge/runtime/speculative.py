@@ -123,7 +123,8 @@ class Speculator:
             self.warnings = draft_warnings(target, folder)
             for w in self.warnings:
                 warnings.warn(w, stacklevel=2)
-            self._pool = LMPool(OrtGraph(folder, device=device, threads=threads), io_binding=io_binding)
+            graph = OrtGraph(folder, device=device, threads=threads, spin=False)  # see session.create_session
+            self._pool = LMPool(graph, io_binding=io_binding)
 
     def check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """What speculative decoding cannot run, refused before any work."""
