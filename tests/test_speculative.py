@@ -230,6 +230,22 @@ def test_stream_equals_generate_and_concurrent_calls_stay_independent(targets, d
     assert got == [alone[p] for p in PROMPTS * 2]
 
 
+def _spinning(session) -> bool:
+    """Whether the session's idle intra-op threads spin (ONNX Runtime's default: the entry is absent)."""
+    try:
+        return session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") != "0"
+    except RuntimeError:
+        return True
+
+
+def test_with_a_draft_model_neither_session_spins(targets, drafts):
+    """Target and draft alternate token by token: spinning idle threads of one would take the other's cores."""
+    spec = Generator(targets["shared"], draft=drafts["shared"])
+    assert not _spinning(spec.graph.session) and not _spinning(spec.speculator._pool.graph.session)
+    assert _spinning(Generator(targets["shared"], prompt_lookup=2).graph.session)  # one session: the default
+    assert _spinning(Generator(targets["shared"]).graph.session)
+
+
 # --- sampling: the target's distribution -------------------------------------------------------------------
 
 N_SAMPLES, N_TOKENS, TOP_K = 2000, 4, 3
