@@ -206,6 +206,15 @@ def test_greedy_identity_with_penalty_eos_and_stop(targets, drafts):
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
 
 
+def test_a_head_all_target_works_too(tiny_export_all, drafts):
+    plain, spec = Generator(tiny_export_all), Generator(tiny_export_all, draft=drafts["concat"])
+    for prompt in PROMPTS[:2]:
+        a = plain.generate(prompt, max_new_tokens=30, do_sample=False, ignore_eos=True)
+        b = spec.generate(prompt, max_new_tokens=30, do_sample=False, ignore_eos=True)
+        assert_same_greedy(tiny_export_all, a.prompt_token_ids, a.token_ids, b.token_ids)
+        assert b.timings["target_steps"] < len(b.token_ids) - 1  # some steps verified several drafts
+
+
 @pytest.mark.parametrize("kind", ["concat", "shared"])
 def test_greedy_identity_without_io_binding(targets, drafts, kind):
     plain = Generator(targets[kind], io_binding=False)
