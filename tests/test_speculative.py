@@ -172,6 +172,7 @@ def assert_same_greedy(folder: Path, prompt: list[int], plain: list[int], spec: 
     warnings.warn(f"numerical tie at token {i} (top-two gap {gap:.1e}): spec and plain greedy split", stacklevel=2)
 
 
+@pytest.mark.filterwarnings("ignore:the draft")  # the stranger is as big as the target: warned, and fine here
 @pytest.mark.parametrize("kind", ["concat", "shared"])
 @pytest.mark.parametrize("drafter", ["lookup", "int4-concat", "int4-shared", "stranger"])
 def test_greedy_is_token_identical_to_plain_greedy(targets, drafts, stranger, kind, drafter):
@@ -205,6 +206,15 @@ def test_greedy_identity_with_penalty_eos_and_stop(targets, drafts):
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
 
 
+def test_a_head_all_target_works_too(tiny_export_all, drafts):
+    plain, spec = Generator(tiny_export_all), Generator(tiny_export_all, draft=drafts["concat"])
+    for prompt in PROMPTS[:2]:
+        a = plain.generate(prompt, max_new_tokens=30, do_sample=False, ignore_eos=True)
+        b = spec.generate(prompt, max_new_tokens=30, do_sample=False, ignore_eos=True)
+        assert_same_greedy(tiny_export_all, a.prompt_token_ids, a.token_ids, b.token_ids)
+        assert b.timings["target_steps"] < len(b.token_ids) - 1  # some steps verified several drafts
+
+
 @pytest.mark.parametrize("kind", ["concat", "shared"])
 def test_greedy_identity_without_io_binding(targets, drafts, kind):
     plain = Generator(targets[kind], io_binding=False)
@@ -228,6 +238,22 @@ def test_stream_equals_generate_and_concurrent_calls_stay_independent(targets, d
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda p: spec.generate(p, **kw).token_ids, PROMPTS * 2))
     assert got == [alone[p] for p in PROMPTS * 2]
+
+
+def _spinning(session) -> bool:
+    """Whether the session's idle intra-op threads spin (ONNX Runtime's default: the entry is absent)."""
+    try:
+        return session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") != "0"
+    except RuntimeError:
+        return True
+
+
+def test_with_a_draft_model_neither_session_spins(targets, drafts):
+    """Target and draft alternate token by token: spinning idle threads of one would take the other's cores."""
+    spec = Generator(targets["shared"], draft=drafts["shared"])
+    assert not _spinning(spec.graph.session) and not _spinning(spec.speculator._pool.graph.session)
+    assert _spinning(Generator(targets["shared"], prompt_lookup=2).graph.session)  # one session: the default
+    assert _spinning(Generator(targets["shared"]).graph.session)
 
 
 # --- sampling: the target's distribution -------------------------------------------------------------------

@@ -23,7 +23,8 @@ from gpt2edge.quantize.primitives import BLOCK_SIZES
     type=click.Choice(HEAD_MODES),
     default="last",
     show_default=True,
-    help="last: next-token log-probs (generation); all: every position (scoring, perplexity).",
+    help="last: next-token log-probs (generation); all: every position (scoring, perplexity); tail: the "
+    "positions a logits_to_keep input lists (generation and speculative decoding's verify step).",
 )
 @click.option(
     "--kv-cache",
