@@ -113,7 +113,7 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
     "--block-size",
     type=click.Choice(BLOCK_SIZES),
     default=None,
-    help="Weights per scale along K [default: int8 128, int4 32].",
+    help="Weights per scale along K [default: int8 128, int4 256].",
 )
 @click.option(
     "--accuracy-level",
@@ -128,7 +128,7 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
 @click.option(
     "--symmetric/--asymmetric",
     default=None,
-    help="Codes without / with zero points [default: int4 symmetric (faster kernel), int8 asymmetric].",
+    help="Codes without / with zero points [default: asymmetric].",
 )
 @click.option(
     "--text",

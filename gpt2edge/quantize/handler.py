@@ -24,15 +24,23 @@ from gpt2edge.onnx_stats import decode_weight_bytes
 # bits of the widest tensor each precision stores; a variant can only be made from a wider parent
 WIDTH = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
 MODES = ("fp16", "int8", "int4")
-DEFAULT_BLOCK_SIZE = {"int8": 128, "int4": 32}
+# Block sizes and zero points chosen by measurement on a 2-core AMD Zen 4 (AVX-512 VNNI), GPT-2 small shape
+# (benchmarks/README.md, "int4 against llama.cpp Q4_0"): ONNX Runtime's int8-activation kernels are partly
+# compute-bound, the per-block work costs more than the bytes saved by small blocks. int4 at block 256 decodes
+# faster than at 32 (the layers' matmuls 1.95 vs 2.83 ms a step) and its 128-token prefill matmuls run faster
+# than int8's (55 vs 58 ms; block 32: 86 ms); zero points cost nothing there and lower the error.
+DEFAULT_BLOCK_SIZE = {"int8": 128, "int4": 256}
+# the tied head at 8 bits: int8 uses its own block; int4's at 256 (~0.2 ms a step less than at 128)
+HEAD8_BLOCK_SIZE = {"int8": 128, "int4": 256}
 # MatMulNBits' compute types: 0 as the input (float), 1 fp32, 2 fp16, 3 bf16, 4 int8 activations;
-# 4: on AVX2 without VNNI it is ~40x faster than the float path (level 0)
+# 4 is ~2x faster than the float path (levels 0/1) here, and ~40x on AVX2 without VNNI
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 DEFAULT_ACCURACY_LEVEL = 4
 HEAD_BITS = (4, 8)
-# int4 symmetric (llama.cpp Q4_0's form): ONNX Runtime's 4-bit kernel without zero points decodes ~7 % faster
-# here (~20 % in the matmuls alone) at a ~10 % higher KL; int8 keeps zero points, its kernel speed is the same
-DEFAULT_SYMMETRIC = {"int8": False, "int4": True}
+# zero points (asymmetric) by default: at block 128/256 the kernels run as fast with them as without on
+# AVX-512 VNNI, and the error is lower; --symmetric drops them (llama.cpp Q4_0's form; on AVX2 without VNNI
+# the 4-bit kernel ran ~20 % faster without them)
+DEFAULT_SYMMETRIC = {"int8": False, "int4": False}
 
 
 @dataclass
@@ -50,10 +58,10 @@ class Recipe:
 
     @property
     def head_block_size(self) -> int | None:
-        """An 8-bit head uses int8's block size (scales cost 4 bytes per block); a 4-bit head the main one."""
+        """An 8-bit head uses its mode's head block (scales cost 4 bytes per block); a 4-bit head the main one."""
         if self.head_bits is None:
             return None
-        return DEFAULT_BLOCK_SIZE["int8"] if self.head_bits == 8 else self.block_size
+        return HEAD8_BLOCK_SIZE[self.mode] if self.head_bits == 8 else self.block_size
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.mode}

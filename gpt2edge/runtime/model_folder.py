@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +71,13 @@ class ModelFolder:
         """ "onnx" or "ort" (ONNX Runtime's own format; gpt2edge.manifest.GRAPH_FORMATS)."""
         return self.info.graph.format
 
-    @property
+    # resolved once (symlinks followed, checked inside the folder): a decode step names the graph in its error
+    # context, and resolving the path there cost ~0.15 ms a step, 4 % of an int4 GPT-2 small step
+    @cached_property
     def graph_path(self) -> Path:
         return resolve_inside(self.path, self.info.graph.file)
 
-    @property
+    @cached_property
     def tokenizer_path(self) -> Path:
         return resolve_inside(self.path, self.info.tokenizer)
 

@@ -1,0 +1,226 @@
+"""The int4 recipe's levers, kernel by kernel: MatMulNBits' cost per bits / block size / accuracy level /
+zero points, for one decode step (M = 1) and a 128-token prefill (M = 128), on GPT-2 small's shapes.
+
+    python benchmarks/int4_levers.py [--threads 2] [--rounds 3] [--repeat 40] [--only layers|head] [--json]
+
+Two parts, timed separately: `layers` (12 x qkv / proj / fc / fc-proj, the block matmuls) and `head` (the
+tied 50,257 x 768 table, read once per step). Every variant's graph is written once to a temporary folder,
+then timed in its own process (ONNX Runtime's spinning thread pools would slow a neighbour), variants
+alternating in `--rounds` interleaved rounds, each timing under `flock $BENCH_LOCK` (/tmp/bench.lock) so that
+other benchmarks on a shared host do not overlap it. Prints the median and range over the rounds of each
+run's median ms, the bytes it reads and the GB/s that makes; and the host's load during the runs. Between
+timed runs a 96 MB buffer is written, so that the weights come from memory, as in a whole decode step (a part
+alone, e.g. the 40 MB head, would otherwise run partly from the 32 MB last-level cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+C, LAYERS, VOCAB = 768, 12, 50257
+BLOCK_SHAPES = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]  # (K, N): qkv, attn proj, fc, fc proj
+LOCK = os.environ.get("BENCH_LOCK", "/tmp/bench.lock")
+FLUSH_BYTES = 96 << 20  # written between timed runs: more than the last-level cache (32 MB here)
+
+
+@dataclass(frozen=True)
+class Variant:
+    part: str  # "layers" or "head"
+    bits: int  # 4 / 8; 32: fp32 MatMul
+    block: int
+    level: int  # MatMulNBits accuracy_level
+    symmetric: bool
+
+    @property
+    def name(self) -> str:
+        if self.bits == 32:
+            return f"{self.part} fp32"
+        zp = "sym" if self.symmetric else "asym"
+        return f"{self.part} q{self.bits} b{self.block} L{self.level} {zp}"
+
+
+def build(v: Variant, path: Path) -> int:
+    """Write variant `v`'s graph to `path`; returns the bytes its weights take (one decode step's read)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from gpt2edge.quantize.primitives import quantize_blockwise
+    from gpt2edge.quantize.weight_only import matmulnbits_node
+
+    rng = np.random.default_rng(0)
+    nodes, inits, nbytes = [], [], 0
+
+    def matmul(inp: str, K: int, N: int, name: str) -> str:
+        nonlocal nbytes
+        w, out = (rng.standard_normal((K, N)) * 0.02).astype(np.float32), f"{name}.y"
+        if v.bits == 32:
+            inits.append(numpy_helper.from_array(w, f"{name}.w"))
+            nodes.append(helper.make_node("MatMul", [inp, f"{name}.w"], [out]))
+            nbytes += w.nbytes
+            return out
+        q = quantize_blockwise(w, v.bits, v.block, v.symmetric)
+        node, weights = matmulnbits_node(name, inp, name, q, out, v.level)
+        nodes.extend(node)
+        inits.extend(weights)
+        nbytes += q.nbytes
+        return out
+
+    x, outputs = "x", []
+    if v.part == "head":
+        outputs.append(matmul(x, C, VOCAB, "head"))
+    else:
+        for layer in range(LAYERS):
+            p = f"h{layer}"
+            outputs.append(matmul(x, *BLOCK_SHAPES[0], f"{p}.qkv"))  # kept as an output: ORT computes it
+            attn = matmul(x, *BLOCK_SHAPES[1], f"{p}.proj")
+            mlp = matmul(matmul(x, *BLOCK_SHAPES[2], f"{p}.fc"), *BLOCK_SHAPES[3], f"{p}.fcproj")
+            nodes += [
+                helper.make_node("Add", [x, attn], [f"{p}.a"]),
+                helper.make_node("Add", [f"{p}.a", mlp], [f"{p}.x"]),
+            ]
+            x = f"{p}.x"
+        outputs.append(x)
+    graph = helper.make_graph(
+        nodes,
+        "levers",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", C])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+        inits,
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    onnx.save_model(helper.make_model(graph, opset_imports=opsets), str(path))
+    return nbytes
+
+
+def time_model(path: str, threads: int, tokens: int, repeat: int) -> list[tuple[float, float]]:
+    """In this (fresh) process: (wall ms, CPU ms of the process) of each of `repeat` runs after a warm-up."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(1).standard_normal((tokens, C)).astype(np.float32)
+    flush = np.ones(FLUSH_BYTES // 4, dtype=np.float32)
+    for _ in range(max(3, repeat // 10)):
+        sess.run(None, {"x": x})
+    out = []
+    for _ in range(repeat):
+        flush += 1.0  # evict the weights from the last-level cache, as a whole decode step does
+        t0, c0 = time.perf_counter(), time.process_time()
+        sess.run(None, {"x": x})
+        out.append(((time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3))
+    return out
+
+
+def _busy_jiffies() -> int:
+    with open("/proc/stat") as f:
+        parts = f.readline().split()
+    return sum(int(p) for p in parts[1:4] + parts[6:8])
+
+
+def timed_run(path: Path, threads: int, tokens: int, repeat: int) -> tuple[dict[str, float], float]:
+    """({median, best wall ms, median CPU ms}, other processes' CPU per wall second) of one fresh-process run
+    under the bench lock. On a busy host the best run and the CPU time are the less disturbed figures."""
+    code = (
+        "import json,sys; sys.path.insert(0, sys.argv[5]); from int4_levers import time_model; "
+        "print(json.dumps(time_model(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))"
+    )
+    argv = [sys.executable, "-c", code, str(path), str(threads), str(tokens), str(repeat), str(Path(__file__).parent)]
+    with open(LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        b0, t0, c0 = _busy_jiffies(), time.monotonic(), os.times()
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        c1 = os.times()
+        b1, t1 = _busy_jiffies(), time.monotonic()
+    own = (c1.children_user - c0.children_user) + (c1.children_system - c0.children_system)
+    others = max(0.0, (b1 - b0) / os.sysconf("SC_CLK_TCK") - own) / (t1 - t0)
+    runs = np.array(json.loads(out))  # (repeat, 2): wall, cpu
+    stats = {"ms": float(np.median(runs[:, 0])), "best": float(runs[:, 0].min()), "cpu": float(np.median(runs[:, 1]))}
+    return stats, others
+
+
+def default_variants(only: str | None) -> list[Variant]:
+    layers = [Variant("layers", 32, 0, 0, True)]
+    layers += [Variant("layers", 4, b, 4, s) for b, s in itertools.product((32, 64, 128), (True, False))]
+    layers += [Variant("layers", 4, 32, lv, True) for lv in (0, 1)]
+    layers += [Variant("layers", 8, 128, 4, False)]
+    head = [Variant("head", 8, b, 4, True) for b in (32, 128)]
+    head += [Variant("head", 4, b, 4, True) for b in (32, 64, 128)]
+    head += [Variant("head", 4, 32, 4, False), Variant("head", 4, 32, 0, True)]
+    return {"layers": layers, "head": head}.get(only, layers + head)
+
+
+def parse_variant(text: str) -> Variant:
+    """'head:4:64:4:sym' -> Variant (part:bits:block:level:sym|asym)."""
+    part, bits, block, level, zp = text.split(":")
+    return Variant(part, int(bits), int(block), int(level), zp == "sym")
+
+
+def summarize(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Median over the rounds of each figure, and the range of the median wall time."""
+    out = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+    out["ms_lo"], out["ms_hi"] = min(r["ms"] for r in runs), max(r["ms"] for r in runs)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=40)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 128], help="rows of x: 1 = decode, 128 = prefill")
+    ap.add_argument("--only", choices=("layers", "head"))
+    ap.add_argument("--variant", action="append", type=parse_variant, help="part:bits:block:level:sym|asym")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    variants = args.variant or default_variants(args.only)
+    results: dict[tuple[Variant, int], list[dict[str, float]]] = {}
+    others: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        sizes = {v: build(v, Path(tmp) / f"{i}.onnx") for i, v in enumerate(variants)}
+        for r in range(args.rounds):
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]  # rotate who goes first
+            for v, tokens in itertools.product(order, args.tokens):
+                if tokens > 1 and v.level in (0, 1) and v.bits != 32:
+                    continue  # float-compute levels: decode only
+                stats, busy = timed_run(Path(tmp) / f"{variants.index(v)}.onnx", args.threads, tokens, args.repeat)
+                results.setdefault((v, tokens), []).append(stats)
+                others.append(busy)
+                print(f"round {r + 1} {v.name} M={tokens}: {stats} (others {busy:.2f} cpu/s)", file=sys.stderr)
+    rows = [
+        {**asdict(v), "name": v.name, "tokens": t, "mb": sizes[v] / 1e6, **summarize(results[v, t])}
+        for v in variants
+        for t in args.tokens
+        if (v, t) in results
+    ]
+    load = {"others_cpu_per_s_median": float(np.median(others)), "others_cpu_per_s_max": float(max(others))}
+    if args.json:
+        print(json.dumps({"rows": rows, "load": load}, indent=2))
+        return
+    print("| variant | M | weight MB | wall ms median (range) | best ms | CPU ms | GB/s (best) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['name']} | {r['tokens']} | {r['mb']:.1f} | {r['ms']:.3f} ({r['ms_lo']:.3f}-{r['ms_hi']:.3f}) | "
+            f"{r['best']:.3f} | {r['cpu']:.3f} | {r['mb'] / r['best']:.1f} |"
+        )
+    print(
+        f"\nother processes' CPU during the runs: median {load['others_cpu_per_s_median']:.2f}, "
+        f"max {load['others_cpu_per_s_max']:.2f} cores (of {os.cpu_count()})"
+    )
+
+
+if __name__ == "__main__":
+    main()
