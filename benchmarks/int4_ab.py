@@ -2,13 +2,15 @@
 against llama.cpp Q4_0 without the whole ../shared/peers run.
 
     SCRATCH=/path/to/peers python benchmarks/int4_ab.py DIR [DIR ...] [--llama q4_0,q8_0] [--rounds 5]
+                                                        [--empty-context]
 
 Needs ../shared/peers/setup.sh's llama.cpp build and GGUF files under $SCRATCH. Workload as the peers run:
 batch 1, 2 threads, prompt 128, 128 new tokens. Each run takes `flock $BENCH_LOCK` (/tmp/bench.lock), waits
 for a quiet second first, and is retried (up to 40 times) while other processes used more than 0.15 CPU per
 wall second during it. The order rotates every round. Reports gpt2edge's pooled decode median (sampler
-excluded) and prefill; llama-bench tg128 from an empty cache and tg128 at depth 128 (`-d 128`, the context
-gpt2edge decodes at), and pp128.
+excluded) and prefill, with --empty-context also decoding from a 1-token prompt (tg128's contexts);
+llama-bench tg128 from an empty cache and tg128 at depth 128 (`-d 128`, the context gpt2edge decodes at), and
+pp128.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def run_quiet(cmd: list[str], max_others: float) -> tuple[str, float]:
     return out, others
 
 
-def gpt2edge_run(folder: str, new: int) -> tuple[float, float]:
+def gpt2edge_run(folder: str, new: int, prompt: int = 128) -> tuple[float, float]:
     cmd = [
         sys.executable,
         "-m",
@@ -72,7 +74,7 @@ def gpt2edge_run(folder: str, new: int) -> tuple[float, float]:
         "--threads",
         "2",
         "--prompt-len",
-        "128",
+        str(prompt),
         "--new-tokens",
         str(new),
         "--repeat",
@@ -98,6 +100,8 @@ def main() -> None:
     if "SCRATCH" not in os.environ:
         sys.exit("error: set SCRATCH to the folder ../shared/peers/setup.sh built (llama-build/, gguf/)")
     jobs = [("gpt2edge", d) for d in ARGS.dirs]
+    if ARGS.empty_context:  # decode from a 1-token prompt: the contexts llama-bench's tg128 decodes at
+        jobs += [("gpt2edge-p1", d) for d in ARGS.dirs]
     for q in filter(None, ARGS.llama.split(",")):
         jobs += [("llama", q), ("llama-d128", q)]
     results: dict[str, list[tuple[float, float]]] = {}
@@ -106,6 +110,8 @@ def main() -> None:
         for kind, x in jobs[k:] + jobs[:k]:  # rotate the order so no variant always runs first
             if kind == "gpt2edge":
                 name, rec = Path(x).name, gpt2edge_run(x, ARGS.new_tokens)
+            elif kind == "gpt2edge-p1":
+                name, rec = f"{Path(x).name} (prompt 1)", gpt2edge_run(x, ARGS.new_tokens, prompt=1)
             else:
                 gguf = Path(os.environ["SCRATCH"]) / f"gguf/gpt2-{x}.gguf"
                 name, rec = f"{kind} {x}", llama_run(gguf, ARGS.new_tokens, kind == "llama-d128")
@@ -125,6 +131,7 @@ if __name__ == "__main__":
     ap.add_argument("dirs", nargs="+", help="gpt2edge folders")
     ap.add_argument("--llama", default="q4_0", help="GGUF types to run next to them, comma-separated ('' for none)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--empty-context", action="store_true", help="also decode each folder from a 1-token prompt")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--max-others", type=float, default=0.15, help="retry a run when others used more CPU")
     ARGS = ap.parse_args()
