@@ -67,8 +67,10 @@ def test_the_venv_has_no_extras(venv):
         (["quantize", "EXPORT", "-o", "TMP/q", "--mode", "int8"], "quantize"),
         (["parity", "EXPORT", "-m", "CKPT"], "export"),
         (["bench", "EXPORT", "--vs-torch", "--prompt-len", "4", "--new-tokens", "2", "--repeat", "1"], "export"),
+        (["serve", "EXPORT", "--port", "0"], "serve"),
+        (["serve", "EXPORT", "--ray", "--port", "8123"], "cluster"),
     ],
-    ids=["export", "quantize", "parity-m", "bench-vs-torch"],
+    ids=["export", "quantize", "parity-m", "bench-vs-torch", "serve", "serve-ray"],
 )
 def test_commands_name_the_extra_they_need(venv, tiny_checkpoint, tiny_export, tmp_path, args, extra):
     paths = {"CKPT": str(tiny_checkpoint), "EXPORT": str(tiny_export), "TMP": str(tmp_path)}

@@ -26,10 +26,11 @@ pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip ins
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
 
 from gpt2edge.runtime import Generator  # noqa: E402
+from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob  # noqa: E402
 from gpt2edge.runtime.tokenizer import TextTokenizer  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.app import create_app  # noqa: E402
-from gpt2edge.serve.batch import take_batch  # noqa: E402
+from gpt2edge.serve.batch import advance, take_batch  # noqa: E402
 from gpt2edge.serve.jobs import Job, Piece, Sampling  # noqa: E402
 from gpt2edge.serve.rowtext import RowText  # noqa: E402
 from gpt2edge.serve.scheduler import Scheduler  # noqa: E402
@@ -280,6 +281,210 @@ def test_take_batch_groups_by_sampling_and_fits_positions():
     assert take_batch(deque([job(1, 1, n=3, temperature=0), job(1, 1, n=2, temperature=0)]), 4, 120)[0].n == 3
 
 
+# ---- logprobs ----------------------------------------------------------------------------------------------
+
+
+def spelled(raw: list[int]) -> str:
+    """OpenAI's name for a token: its text, or `bytes:\\xNN...` when its bytes are not whole UTF-8 on their own."""
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def runtime_records(gen: Generator, prompt: str, max_tokens: int, n: int, ignore_eos: bool = True, **kw) -> list:
+    """Generator.generate(prompt, logprobs=n) alone (greedy unless kw says otherwise): one record per token."""
+    kw = GREEDY | kw
+    return gen.generate(prompt, max_new_tokens=max_tokens, logprobs=n, ignore_eos=ignore_eos, **kw).logprobs
+
+
+def first_chars(tok: TextTokenizer, records: list) -> list[int]:
+    """By brute force from the definition: where each token starts in the text all the tokens decode to (lossy
+    UTF-8, as the server's text): the index of the character holding its first byte. A token that renders as
+    nothing (end of text) starts at the character at its position. Splitting the bytes at a character boundary
+    does not change their decoding."""
+    raws = [b"" if tok.decode([r.token_id]) == "" else bytes(r.bytes) for r in records]
+    full = b"".join(raws)
+    text = full.decode("utf-8", "replace")
+
+    def boundary(p: int) -> bool:
+        return full[:p].decode("utf-8", "replace") + full[p:].decode("utf-8", "replace") == text
+
+    out, p = [], 0
+    for raw in raws:
+        out.append(len(full[: max(q for q in range(p + 1) if boundary(q))].decode("utf-8", "replace")))
+        p += len(raw)
+    return out
+
+
+def reported(tok: TextTokenizer, records: list, text_len: int) -> tuple[list, list[int]]:
+    """The records a completion of text_len characters reports, and their offsets in it: every token from the
+    first to the last one whose bytes reach the returned text."""
+    starts = first_chars(tok, records)
+    k = sum(s < text_len for s in starts)
+    while k and tok.decode([records[k - 1].token_id]) == "":
+        k -= 1  # a token that renders as nothing, after the last character (end of text)
+    return records[:k], starts[:k]
+
+
+def assert_block(block: dict, tok: TextTokenizer, records: list, n: int, prompt: str, text: str) -> None:
+    """A choice's OpenAI `logprobs` block holds exactly the runtime's records that reach its text, each with
+    its top n (plus the chosen token) and its offset from the start of the prompt."""
+    records, starts = reported(tok, records, len(text))
+    assert set(block) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert block["tokens"] == [spelled(r.bytes) for r in records]
+    assert block["token_logprobs"] == pytest.approx([r.logprob for r in records], abs=1e-5)
+    assert block["text_offset"] == [len(prompt) + s for s in starts]
+    if n == 0:
+        assert block["top_logprobs"] is None  # OpenAI's answer to logprobs: 0
+        return
+    assert len(block["top_logprobs"]) == len(records)
+    for got, r in zip(block["top_logprobs"], records):
+        want = {spelled(t.bytes): t.logprob for t in r.top_logprobs[:n]}
+        want.setdefault(spelled(r.bytes), r.logprob)  # the chosen token is always listed (up to n + 1 entries)
+        assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
+
+
+def stream_chunks(events: list) -> dict[int, list]:
+    """Each choice's (text, logprobs block) per chunk, in order (usage chunk and [DONE] left out)."""
+    out: dict[int, list] = {}
+    for e in events:
+        if e != "[DONE]":
+            for c in e["choices"]:
+                out.setdefault(c["index"], []).append((c["text"], c["logprobs"]))
+    return out
+
+
+def joined_block(chunks: list, prompt: str) -> dict | None:
+    """A choice's chunks as one block; checks that each chunk carries the tokens that start in its own text."""
+    if chunks[0][1] is None:
+        assert all(lp is None for _, lp in chunks)
+        return None
+    block: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    start = len(prompt)
+    for text, lp in chunks:
+        assert all(start <= o < start + len(text) for o in lp["text_offset"]), (text, lp, start)
+        for key in block:
+            block[key] += lp[key] or []
+        start += len(text)
+    if all(lp["top_logprobs"] is None for _, lp in chunks):
+        block["top_logprobs"] = None
+    return block
+
+
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_logprobs_equal_the_runtime_alone(server, ref, n):
+    """Plain and streamed, on prompts whose continuations split characters over tokens (and leave some
+    incomplete): the runtime's tokens and values, each streamed with the chunk that holds its first character."""
+    for prompt in PROMPTS[:4] + PROMPTS[7:]:
+        body = {"prompt": prompt, "max_tokens": 14, "temperature": 0, "ignore_eos": True, "logprobs": n}
+        choice = post(server, body).json()["choices"][0]
+        assert choice["text"] == alone(ref, prompt, 14, ignore_eos=True)
+        assert_block(choice["logprobs"], ref.tokenizer, runtime_records(ref, prompt, 14, n), n, prompt, choice["text"])
+        chunks = stream_chunks(asyncio.run(_stream(server, body)))[0]
+        assert "".join(t for t, _ in chunks) == choice["text"]
+        assert joined_block(chunks, prompt) == choice["logprobs"]
+
+
+def test_logprobs_stop_where_the_text_stops(server, ref):
+    """A stop string drops the tokens after the returned text (keeping one it starts inside); end of text is
+    not a token of the text."""
+    prompt = PROMPTS[3]
+    records = runtime_records(ref, prompt, 40, 1)
+    full = alone(ref, prompt, 40, ignore_eos=True)
+    for cut in (3, 12, 13, 20, 31):
+        stop = full[cut : cut + 2]
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 1, "stop": stop}
+        choice = post(server, body).json()["choices"][0]
+        text = full[: full.find(stop)]
+        assert (choice["text"], choice["finish_reason"]) == (text, "stop")
+        assert_block(choice["logprobs"], ref.tokenizer, records, 1, prompt, text)
+        assert len(choice["logprobs"]["tokens"]) < len(records)
+        chunks = stream_chunks(asyncio.run(_stream(server, body)))[0]
+        assert "".join(t for t, _ in chunks) == text
+        assert joined_block(chunks, prompt) == choice["logprobs"]
+    # a seeded sampled request runs alone: it is the runtime's sampled run with that seed, up to end of text
+    sampled = dict(do_sample=True, temperature=1.5, top_p=1.0)
+    seed = next(s for s in range(200) if ref.generate(prompt, max_new_tokens=60, seed=s, **GREEDY | sampled)
+                .finish_reason == "eos")  # fmt: skip
+    records = runtime_records(ref, prompt, 60, 2, ignore_eos=False, seed=seed, **sampled)
+    body = {"prompt": prompt, "max_tokens": 60, "temperature": 1.5, "seed": seed, "logprobs": 2}
+    choice = post(server, body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and records[-1].token_id in ref.eos_token_id
+    assert_block(choice["logprobs"], ref.tokenizer, records, 2, prompt, choice["text"])
+    assert len(choice["logprobs"]["tokens"]) < len(records)  # <|endoftext|> is not reported
+
+
+def test_logprobs_with_n_choices_and_prompts(server, ref):
+    body = {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    for c in post(server, body).json()["choices"]:
+        prompt = PROMPTS[c["index"] // 2]
+        assert_block(c["logprobs"], ref.tokenizer, runtime_records(ref, prompt, 8, 3), 3, prompt, c["text"])
+    # sampled choices differ; each block is its own text's
+    body = dict(body, prompt=PROMPTS[0], n=3, temperature=1.0, seed=5)
+    choices = post(server, body).json()["choices"]
+    assert len({c["text"] for c in choices}) > 1
+    for c in choices:
+        lp = c["logprobs"]
+        assert len(lp["tokens"]) == len(lp["text_offset"]) > 0 and lp["text_offset"][0] == len(PROMPTS[0])
+        assert all(len(top) <= 4 and top[t] == v for t, v, top in zip(lp["tokens"], lp["token_logprobs"],
+                                                                       lp["top_logprobs"]))  # fmt: skip
+
+
+def test_logprobs_in_a_shared_batch_each_get_their_own_n(tiny_export, ref):
+    """Requests with different logprobs (and none), plain and streamed, decode in one batch; each gets what it
+    gets alone."""
+    specs = list(zip(PROMPTS, [None, 0, 1, 3, 5, 2, None, 4]))
+
+    def body(prompt, n):
+        lp = {} if n is None else {"logprobs": n}
+        return {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True} | lp
+
+    async def main(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            plain = [client.post("/v1/completions", json=body(p, n)) for p, n in specs[:4]]
+            streamed = [stream_one(client, body(p, n)) for p, n in specs[4:]]
+            return await asyncio.gather(*plain, *streamed)
+
+    with running(tiny_export, max_batch=8, batch_wait_ms=300) as (url, _):
+        results = asyncio.run(main(url))
+        stats = wait_idle(url)
+    assert stats["largest_batch"] > 1  # they shared a batch
+    for i, ((prompt, n), res) in enumerate(zip(specs, results)):
+        if i < 4:
+            choice = res.json()["choices"][0]
+            text, block = choice["text"], choice["logprobs"]
+        else:
+            chunks = stream_chunks(res)[0]
+            text, block = "".join(t for t, _ in chunks), joined_block(chunks, prompt)
+        assert text == alone(ref, prompt, 10, ignore_eos=True), f"request {i} got another text"
+        if n is None:
+            assert block is None
+        else:
+            assert_block(block, ref.tokenizer, runtime_records(ref, prompt, 10, n), n, prompt, text)
+
+
+def test_max_tokens_0_with_echo_returns_the_prompt(server, ref):
+    prompts = ["The city", "", "Über café"]
+    before = httpx.get(server + "/health").json()["batches"]
+    r = post(server, {"prompt": prompts, "n": 2, "max_tokens": 0, "echo": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (i, prompts[i // 2], "length") for i in range(6)
+    ]
+    prompt_tokens = sum(len(ref.tokenizer.encode(p)) or 1 for p in prompts)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+    events = asyncio.run(_stream(server, {"prompt": prompts[2], "max_tokens": 0, "echo": True,
+                                          "stream_options": {"include_usage": True}}))  # fmt: skip
+    assert joined(events[:-1])[0] == prompts[2] and events[-3]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"]["completion_tokens"] == 0 and events[-1] == "[DONE]"
+    assert httpx.get(server + "/health").json()["batches"] == before  # nothing was decoded
+    # without echo there is nothing to return: OpenAI refuses it, naming echo
+    err = post(server, {"prompt": "a", "max_tokens": 0}).json()["error"]
+    assert err["param"] == "max_tokens" and "echo" in err["message"]
+
+
 # ---- bad input -------------------------------------------------------------------------------------------------
 
 BAD = {
@@ -290,7 +495,7 @@ BAD = {
     "unknown field": ({"prompt": "a", "max_token": 5}, 400, "max_token"),
     "missing prompt": ({"max_tokens": 5}, 400, "prompt"),
     "negative max_tokens": ({"prompt": "a", "max_tokens": -1}, 400, "max_tokens"),
-    "zero max_tokens": ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    "zero max_tokens without echo": ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     "huge max_tokens": ({"prompt": "a", "max_tokens": 10**40}, 400, "max_tokens"),
     "max_tokens past positions": ({"prompt": "a", "max_tokens": 128}, 400, "max_tokens"),
     "string max_tokens": ({"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
@@ -301,7 +506,12 @@ BAD = {
     "prompt plus max_tokens over n_positions": ({"prompt": "a b c d e f", "max_tokens": 125}, 400, "prompt"),
     "token-id prompt": ({"prompt": [1, 2, 3]}, 400, "prompt"),
     "empty prompt list": ({"prompt": []}, 400, "prompt"),
-    "logprobs": ({"prompt": "a", "logprobs": 1}, 400, "logprobs"),
+    "logprobs over the limit": ({"prompt": "a", "logprobs": 6}, 400, "logprobs"),
+    "negative logprobs": ({"prompt": "a", "logprobs": -1}, 400, "logprobs"),
+    "float logprobs": ({"prompt": "a", "logprobs": 1.5}, 400, "logprobs"),
+    "bool logprobs": ({"prompt": "a", "logprobs": True}, 400, "logprobs"),
+    "string logprobs": ({"prompt": "a", "logprobs": "2"}, 400, "logprobs"),
+    "echo with logprobs": ({"prompt": "a", "logprobs": 0, "echo": True}, 400, "logprobs"),
     "five stop strings": ({"prompt": "a", "stop": list("abcde")}, 400, "stop"),
     "empty stop string": ({"prompt": "a", "stop": [""]}, 400, "stop"),
     "temperature out of range": ({"prompt": "a", "temperature": 3}, 400, "temperature"),
@@ -461,6 +671,37 @@ def test_row_text_never_splits_a_character_and_cuts_at_stop(tiny_export, tmp_pat
             assert hit and out == text[: text.find(stop)], stop
 
 
+def test_row_logprobs_go_out_with_their_text(tiny_export, tmp_path):
+    """Row by row, as the scheduler feeds it: each token goes out with the piece that holds its first character
+    (never ahead of it: a character split over tokens, text held as a possible stop string), none past the
+    text a stop string cuts, and the offsets are where the tokens start."""
+    text = "Grüße aus Köln, 東京 and 🙂 emoji; naïve café."
+    for tok in _tokenizers(tiny_export, tmp_path):
+        recorder = LogprobRecorder(tok, 0, 1)
+        ids = tok.encode(text)
+        records = [TokenLogprob(i, *recorder.token(i)[:1], -0.5 * k, recorder.token(i)[1]) for k, i in enumerate(ids)]
+        for stop in ((), ("東京",), ("ü",), ("aus K",), ("i; n",), ("🙂",)):
+            pieces: list[Piece] = []
+            job = Job(["P:"], [2], 1, len(ids), Sampling(temperature=0), stop, pieces.append, tok, logprobs=0)
+            for i, record in zip(ids, records):
+                advance(job.rows[0], i, None, record)
+                if job.rows[0].done:
+                    break
+            sent = "".join(p.text for p in pieces)
+            assert pieces[-1].finish_reason == ("stop" if stop else "length")
+            assert sent == (text[: text.find(stop[0])] if stop else text)
+            want, starts = reported(tok, records, len(sent))
+            start = 2
+            for p in pieces:
+                assert all(start <= e.offset < start + len(p.text) for e in p.logprobs), (stop, p)
+                start += len(p.text)
+            got = [e for p in pieces for e in p.logprobs]
+            assert [(e.token, e.logprob, e.offset) for e in got] == [
+                (spelled(r.bytes), r.logprob, 2 + s) for r, s in zip(want, starts)
+            ], stop
+            assert len(got) < len(ids) if stop else len(got) == len(ids)
+
+
 def test_cli_serve_starts_serves_and_stops(tiny_export):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.Popen(
@@ -499,3 +740,38 @@ def test_cli_serve_refuses_bad_options_in_one_line(tiny_export, args, message):
     result = CliRunner().invoke(main, ["serve", *(a.format(dir=tiny_export) for a in args)])
     assert result.exit_code != 0 and message in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "score", "serve"])
+def test_every_threads_option_takes_the_runtime_range(tiny_export, command):
+    """One --threads range everywhere: the runtime's bound, checked by click before anything loads."""
+    from click.testing import CliRunner
+
+    from gpt2edge.cli import main
+    from gpt2edge.runtime.session import MAX_THREADS
+
+    option = next(p for p in main.commands[command].params if p.name == "threads")
+    assert (option.type.min, option.type.max) == (1, MAX_THREADS)
+    assert f"1..{MAX_THREADS}" in option.help
+    args = {"generate": ["-p", "x"], "bench": [], "score": [], "serve": ["--port", "0"]}[command]
+    for bad in ("0", str(MAX_THREADS + 1)):
+        result = CliRunner().invoke(main, [command, str(tiny_export), *args, "--threads", bad])
+        assert result.exit_code == 2 and "Invalid value for '--threads'" in result.output, result.output
+
+
+@pytest.mark.parametrize("flags, missing, extra, feature", [
+    ([], "uvicorn", "serve", "serve"),
+    (["--ray", "--port", "8123"], "ray", "cluster", "serve --ray"),
+])  # fmt: skip
+def test_cli_serve_names_a_missing_extra_like_every_command(tiny_export, monkeypatch, flags, missing, extra, feature):
+    from click.testing import CliRunner
+
+    from gpt2edge.cli import main
+
+    monkeypatch.setitem(sys.modules, missing, None)  # find_spec() reports it absent
+    result = CliRunner().invoke(main, ["serve", str(tiny_export), "--port", "0", *flags])
+    assert result.exit_code == 1
+    assert result.output == (
+        f"error: gpt2edge {feature} needs the {extra} extra ({missing} not installed): "
+        f"pip install 'gpt2edge[{extra}]'.\n"
+    )

@@ -12,6 +12,7 @@ import click
 
 from gpt2edge import __version__
 from gpt2edge.errors import Gpt2EdgeError
+from gpt2edge.runtime.session import MAX_THREADS
 
 
 def friendly_errors(fn):
@@ -45,7 +46,9 @@ def report_stream(as_json: bool):
     return sys.stderr if as_json else sys.stdout
 
 
-THREADS = click.IntRange(1, 1024)  # ONNX Runtime would try to start any number of threads
+# every --threads option: the runtime's own bound (ONNX Runtime would try to start any number of threads)
+THREADS = click.IntRange(1, MAX_THREADS)
+THREADS_HELP = f"Intra-op threads, 1..{MAX_THREADS} [default: ONNX Runtime's choice]."
 
 
 SEEDS = click.IntRange(0, 2**63 - 1)

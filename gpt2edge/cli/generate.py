@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import SEEDS, THREADS, friendly_errors, main, warnings_to_stderr
+from gpt2edge.cli.common import SEEDS, THREADS, THREADS_HELP, friendly_errors, main, warnings_to_stderr
 from gpt2edge.cli.generate_output import (
     generate_batch,
     generate_each,
@@ -137,9 +137,7 @@ def _cfg_default(value: object) -> str:
     help="When beam search stops (transformers' early_stopping) [default: false].",
 )
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option(
-    "--threads", type=THREADS, default=None, help="Intra-op threads, 1..1024 [default: ONNX Runtime's choice]."
-)
+@click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
 @click.option("--no-stream", is_flag=True, help="Print the text once it is complete.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (implies --no-stream).")

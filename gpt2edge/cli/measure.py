@@ -6,7 +6,15 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import THREADS, friendly_errors, main, print_json, report_stream, warnings_to_stderr
+from gpt2edge.cli.common import (
+    THREADS,
+    THREADS_HELP,
+    friendly_errors,
+    main,
+    print_json,
+    report_stream,
+    warnings_to_stderr,
+)
 from gpt2edge.extras import require_extra
 from gpt2edge.prompt_input import read_text_file
 
@@ -77,9 +85,7 @@ def parity(
     help="Generated tokens [default: 128, or the positions the prompt leaves]. Values you give must fit.",
 )
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option(
-    "--threads", type=THREADS, default=None, help="Intra-op threads, 1..1024 [default: ONNX Runtime's choice]."
-)
+@click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option(
     "--repeat", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs after one warm-up."
@@ -229,7 +235,7 @@ def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
     help="auto: one pass per window on a --head all export, else token by token through the KV cache.",
 )
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--threads", type=click.IntRange(1, 1024), default=None, help="Intra-op threads.")
+@click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with per-token log-probs on stdout.")
 @friendly_errors

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import friendly_errors, main
+from gpt2edge.cli.common import THREADS, THREADS_HELP, friendly_errors, main
 
 
 @main.command()
@@ -28,7 +28,7 @@ from gpt2edge.cli.common import friendly_errors, main
     help="Longest wait for a new batch to fill (see README: Serve).",
 )
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--threads", type=int, default=None, help="Intra-op threads (default: ONNX Runtime's choice).")
+@click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
 @click.option("--ray", "use_ray", is_flag=True, help="Deploy on Ray Serve (extra `cluster`) instead of uvicorn.")
 @click.option("--replicas", type=int, default=None, help="With --ray: replicas, each loading MODEL_DIR [default: 1].")
@@ -54,7 +54,8 @@ def serve(
     ray_address,
 ) -> None:
     """Serve MODEL_DIR over HTTP: OpenAI-compatible /v1/completions (batched, SSE streaming), /v1/models, /health."""
-    from gpt2edge.serve import ServeConfig, require_extra
+    from gpt2edge.extras import require_extra
+    from gpt2edge.serve import ServeConfig
 
     if not use_ray and (replicas is not None or ray_address is not None):
         raise click.UsageError("--replicas and --ray-address need --ray.")
@@ -66,7 +67,7 @@ def serve(
     if use_ray:
         if port == 0:
             raise click.BadParameter("Ray Serve needs a fixed port", param_hint="--port")
-        require_extra("cluster")
+        require_extra("cluster", "serve --ray")
         from gpt2edge.runtime import ModelFolder
         from gpt2edge.serve.ray_app import build_application, run_on_ray
 
@@ -82,7 +83,7 @@ def serve(
         )
         run_on_ray(app, host, port, address=ray_address, on_ready=ready)
         return
-    require_extra("serve")
+    require_extra("serve", "serve")
     from gpt2edge.serve.server import local_app, serve_forever
 
     serve_forever(local_app(model_dir, config, device, threads, not no_verify), host, port, on_ready=ready)

@@ -14,7 +14,7 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.lm import OrtLM
-from gpt2edge.runtime.logprobs import LogprobRecorder
+from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob
 from gpt2edge.runtime.sampling import SamplingParams, next_tokens
 from gpt2edge.runtime.tokenizer import TextStream, TextTokenizer
 
@@ -27,6 +27,7 @@ class Step:
     tokens: np.ndarray  # (B,)
     active: np.ndarray  # (B,) bool: the row took this token (it was not already finished)
     finished: list[str | None]
+    logprobs: list[TokenLogprob | None] | None = None  # (B,) each row's record of this token, when recorded
 
 
 @dataclass
@@ -135,9 +136,8 @@ def decode_n_tokens(
                 state.finish_reasons[b] = "length"
             if state.finish_reasons[b] is not None:
                 state.texts[b].finish()
-        if raw is not None:
-            state.logprobs.record(raw, tokens, active)
-        yield Step(step, tokens, active, list(state.finish_reasons))
+        recorded = state.logprobs.record(raw, tokens, active) if raw is not None else None
+        yield Step(step, tokens, active, list(state.finish_reasons), recorded)
         if all(r is not None for r in state.finish_reasons):
             return
         feed = np.where(active, tokens, pad_id)

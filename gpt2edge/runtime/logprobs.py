@@ -104,12 +104,16 @@ class LogprobRecorder:
             entry = self._tokens[token_id] = (text, raw)
         return entry
 
-    def record(self, logprobs: np.ndarray, tokens: np.ndarray, active: Sequence[bool]) -> None:
-        """(B, V) log-probs the step's tokens were chosen from, (B,) tokens, (B,) rows that took their token."""
+    def record(self, logprobs: np.ndarray, tokens: np.ndarray, active: Sequence[bool]) -> list[TokenLogprob | None]:
+        """(B, V) log-probs the step's tokens were chosen from, (B,) tokens, (B,) rows that took their token.
+        Returns this step's record of each row (None for a row that took no token), for a per-step consumer."""
+        step: list[TokenLogprob | None] = [None] * len(tokens)
         for b in np.flatnonzero(active):
             row, tok = logprobs[b], int(tokens[b])
             top = [TopLogprob(int(i), *self._entry(row, int(i))) for i in top_ids(row, self.n)]
-            self.rows[b].append(TokenLogprob(tok, *self._entry(row, tok), top))
+            step[b] = TokenLogprob(tok, *self._entry(row, tok), top)
+            self.rows[b].append(step[b])
+        return step
 
     def _entry(self, row: np.ndarray, token_id: int) -> tuple[str, float, list[int]]:
         text, raw = self.token(token_id)

@@ -4,6 +4,6 @@ Needs the `serve` extra (FastAPI, uvicorn); Ray Serve deployment (gpt2edge.serve
 Importing this package is cheap: the app lives in gpt2edge.serve.app / .server, imported when used.
 """
 
-from gpt2edge.serve.config import ServeConfig, require_extra
+from gpt2edge.serve.config import ServeConfig
 
-__all__ = ["ServeConfig", "require_extra"]
+__all__ = ["ServeConfig"]

@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException
 from gpt2edge import __version__
 from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.http import SSEResponse, error_response, read_body, wait_disconnect
-from gpt2edge.serve.jobs import Failure, Job
+from gpt2edge.serve.jobs import Failure, Job, Piece
+from gpt2edge.serve.logprobs import TokenEntry, logprobs_body
 from gpt2edge.serve.plan import Plan, plan_request
 from gpt2edge.serve.protocol import ApiError, chunk_body, completion_body, parse_request, sse, usage_body
 from gpt2edge.serve.scheduler import QueueFull, Scheduler, ServerClosed
@@ -86,9 +87,11 @@ def create_app(load: Callable[[], Scheduler], config: ServeConfig) -> FastAPI:
             except RuntimeError:  # the loop is closed: the server stopped, nobody is waiting
                 pass
 
-        job = Job(plan.prompts, plan.prompt_lens, plan.n, plan.max_tokens, plan.sampling, plan.stop, emit, tok)
+        job = Job(
+            plan.prompts, plan.prompt_lens, plan.n, plan.max_tokens, plan.sampling, plan.stop, emit, tok, plan.logprobs
+        )
         try:
-            scheduler.submit(job)
+            _submit(scheduler, job)
         except QueueFull:
             raise ApiError(
                 429,
@@ -105,6 +108,21 @@ def create_app(load: Callable[[], Scheduler], config: ServeConfig) -> FastAPI:
         return await _collect(request, job, events, plan, meta)
 
     return app
+
+
+def _submit(scheduler: Scheduler, job: Job) -> None:
+    """Queue the job; max_tokens 0 (allowed with echo only) decodes nothing: every choice ends at once."""
+    if job.max_tokens > 0:
+        scheduler.submit(job)
+        return
+    for row in job.rows:
+        row.done = True
+        job.emit(Piece(row.choice, "", "length", 0))
+
+
+def _logprobs(plan: Plan, entries: list[TokenEntry] | None) -> dict | None:
+    """A choice's (or a chunk's) `logprobs` object: null unless the request asked for logprobs."""
+    return None if plan.logprobs is None else logprobs_body(entries or [], plan.logprobs)
 
 
 def _model_card(request: Request, config: ServeConfig) -> dict:
@@ -133,7 +151,8 @@ async def _stream(job: Job, events: asyncio.Queue, plan: Plan, meta: Meta) -> As
             if isinstance(event, Failure):
                 yield sse(_failed(event).body())
                 return
-            yield sse(chunk_body(meta.cid, meta.created, meta.model, event.choice, event.text, event.finish_reason))
+            lp = _logprobs(plan, event.logprobs)
+            yield sse(chunk_body(meta.cid, meta.created, meta.model, event.choice, event.text, event.finish_reason, lp))
             if event.finish_reason is not None:
                 left, completion_tokens = left - 1, completion_tokens + event.completion_tokens
         if plan.include_usage:
@@ -145,18 +164,20 @@ async def _stream(job: Job, events: asyncio.Queue, plan: Plan, meta: Meta) -> As
         job.cancel()  # a no-op once every row is done; otherwise frees the rows of a client that left
 
 
-async def _gather(job: Job, events: asyncio.Queue) -> tuple[list[str], list[str], int]:
+async def _gather(job: Job, events: asyncio.Queue) -> tuple[list[str], list[str], list[list[TokenEntry]], int]:
     texts, reasons = [""] * len(job.rows), [""] * len(job.rows)
+    tokens: list[list[TokenEntry]] = [[] for _ in job.rows]
     left, completion_tokens = len(job.rows), 0
     while left:
         event = await events.get()
         if isinstance(event, Failure):
             raise _failed(event)
         texts[event.choice] += event.text
+        tokens[event.choice] += event.logprobs or []
         if event.finish_reason is not None:
             reasons[event.choice] = event.finish_reason
             left, completion_tokens = left - 1, completion_tokens + event.completion_tokens
-    return texts, reasons, completion_tokens
+    return texts, reasons, tokens, completion_tokens
 
 
 async def _collect(request: Request, job: Job, events: asyncio.Queue, plan: Plan, meta: Meta) -> Response:
@@ -172,11 +193,12 @@ async def _collect(request: Request, job: Job, events: asyncio.Queue, plan: Plan
         job.cancel()
     if not result.done() or result.cancelled():
         return Response(status_code=499)  # client closed the request; nobody reads this
-    texts, reasons, completion_tokens = result.result()  # raises the ApiError of a failed batch
+    texts, reasons, tokens, completion_tokens = result.result()  # raises the ApiError of a failed batch
     if plan.echo:
         texts = [plan.prompts[i // plan.n] + t for i, t in enumerate(texts)]
     usage = usage_body(sum(plan.prompt_lens), completion_tokens)
-    return JSONResponse(completion_body(meta.cid, meta.created, meta.model, texts, reasons, usage))
+    blocks = None if plan.logprobs is None else [_logprobs(plan, t) for t in tokens]
+    return JSONResponse(completion_body(meta.cid, meta.created, meta.model, texts, reasons, usage, blocks))
 
 
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from gpt2edge.errors import Gpt2EdgeError
 from gpt2edge.serve.jobs import Failure, Job, Piece, Row
+
+if TYPE_CHECKING:
+    from gpt2edge.runtime.logprobs import TokenLogprob
 
 log = logging.getLogger("gpt2edge.serve")
 
@@ -39,9 +43,12 @@ def take_batch(waiting: deque[Job], max_batch: int, n_positions: int) -> list[Jo
     return chosen
 
 
-def advance(row: Row, token: int, runtime_reason: str | None) -> None:
-    """Feed one sampled token to a row: decode it, apply the row's stop strings and max_tokens, emit."""
+def advance(row: Row, token: int, runtime_reason: str | None, record: TokenLogprob | None = None) -> None:
+    """Feed one sampled token to a row: decode it, apply the row's stop strings and max_tokens, emit the new
+    text with the log-probs of the tokens that start in it (held back with their text)."""
     row.n_tokens += 1
+    if row.logprobs is not None and record is not None:
+        row.logprobs.push(record)
     if runtime_reason == "eos":
         piece, reason = row.text.finish(), "stop"  # OpenAI reports end-of-text as "stop"
     else:
@@ -49,8 +56,12 @@ def advance(row: Row, token: int, runtime_reason: str | None) -> None:
         reason = "stop" if hit else None
         if reason is None and row.n_tokens >= row.job.max_tokens:
             piece, reason = piece + row.text.finish(), "length"
+    row.sent += len(piece)
+    tokens = None
+    if row.logprobs is not None:
+        tokens = row.logprobs.finish(row.sent) if reason else row.logprobs.take(row.sent)
     if piece or reason:
-        row.job.emit(Piece(row.choice, piece, reason, row.n_tokens))
+        row.job.emit(Piece(row.choice, piece, reason, row.n_tokens, tokens))
     row.done = reason is not None
 
 
@@ -65,7 +76,7 @@ def on_step(rows: Sequence[Row], step) -> None:
         if not step.active[b]:  # the runtime finished this row without us noticing: end it cleanly
             advance(row, -1, "eos")
             continue
-        advance(row, int(step.tokens[b]), step.finished[b])
+        advance(row, int(step.tokens[b]), step.finished[b], None if step.logprobs is None else step.logprobs[b])
     if all(r.done for r in rows):
         raise _BatchDone
 
@@ -83,11 +94,14 @@ def run_batch(generator, jobs: Sequence[Job]) -> int:
     """Decode the jobs' rows as one left-padded batch; returns how many rows it had. Never raises."""
     rows = [r for job in jobs for r in job.rows]
     max_new = max(job.max_tokens for job in jobs)
+    # the runtime records one N for the batch: the largest asked for; each row keeps the top of its own N
+    top_n = max((job.logprobs for job in jobs if job.logprobs is not None), default=None)
     try:
         generator.generate(
             [r.prompt for r in rows],
             max_new_tokens=max_new,
             callback=lambda step: on_step(rows, step),
+            logprobs=top_n,
             **jobs[0].sampling.generate_kwargs(),
         )
     except _BatchDone:

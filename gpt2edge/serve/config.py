@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 from gpt2edge.errors import ServeError
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences per request
+MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` (the top alternatives reported per token)
 
 
 @dataclass(frozen=True)
@@ -40,14 +40,3 @@ class ServeConfig:
             raise ServeError(f"--max-body-kb must be >= 1, got {self.max_body_bytes / 1024:g}.")
         if not 0 <= self.batch_wait_ms <= 1000:
             raise ServeError(f"--batch-wait-ms must be in [0, 1000], got {self.batch_wait_ms}.")
-
-
-def require_extra(extra: str) -> None:
-    """Fail with the pip command to run when an optional extra (`serve` or `cluster`) is missing."""
-    modules = {"serve": ("fastapi", "uvicorn"), "cluster": ("fastapi", "uvicorn", "ray")}[extra]
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ServeError(
-            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed; "
-            f"run: pip install 'gpt2edge[{extra}]'."
-        )

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpt2edge.serve.logprobs import ChoiceLogprobs, TokenEntry
 from gpt2edge.serve.rowtext import Decoder, RowText
 
 _ids = itertools.count(1)
@@ -37,12 +38,14 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Piece:
-    """New text of one choice; finish_reason is set on the choice's last piece ("stop" or "length")."""
+    """New text of one choice; finish_reason is set on the choice's last piece ("stop" or "length").
+    logprobs: the tokens that start in this text, when the request asked for logprobs."""
 
     choice: int
     text: str
     finish_reason: str | None
     completion_tokens: int
+    logprobs: list[TokenEntry] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,9 @@ class Row:
     prompt: str
     prompt_len: int
     text: RowText
+    logprobs: ChoiceLogprobs | None = None  # when the request asked for them
     n_tokens: int = 0
+    sent: int = 0  # characters of text emitted so far
     done: bool = False
     dropped: bool = False  # its client left before it finished: decoding it stopped mattering
 
@@ -85,6 +90,7 @@ class Job:
     stop: tuple[str, ...]
     emit: Callable[[Event], None]
     tokenizer: Decoder
+    logprobs: int | None = None  # OpenAI's logprobs: report each token's log-prob and its top N
     id: int = field(default_factory=lambda: next(_ids))
     created: float = field(default_factory=time.monotonic)
     rows: list[Row] = field(init=False)
@@ -93,10 +99,13 @@ class Job:
     def __post_init__(self) -> None:
         # choice index = prompt index * n + j, as OpenAI numbers them
         self.rows = [
-            Row(self, p * self.n + j, prompt, plen, RowText(self.tokenizer, self.stop))
+            Row(self, p * self.n + j, prompt, plen, RowText(self.tokenizer, self.stop), self._choice_logprobs(prompt))
             for p, (prompt, plen) in enumerate(zip(self.prompts, self.prompt_lens))
             for j in range(self.n)
         ]
+
+    def _choice_logprobs(self, prompt: str) -> ChoiceLogprobs | None:
+        return None if self.logprobs is None else ChoiceLogprobs(self.tokenizer, self.logprobs, len(prompt))
 
     @property
     def key(self) -> tuple:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpt2edge.serve.config import MAX_STOP, ServeConfig
+from gpt2edge.serve.config import MAX_LOGPROBS, MAX_STOP, ServeConfig
 from gpt2edge.serve.jobs import Sampling
 from gpt2edge.serve.protocol import ApiError, CompletionRequest
 
@@ -23,12 +23,11 @@ class Plan:
     stream: bool
     include_usage: bool
     echo: bool
+    logprobs: int | None  # report each generated token's log-prob and its top N (0: the token's only)
 
 
 def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
     """OpenAI fields this server cannot honour are accepted only at their neutral value."""
-    if req.logprobs is not None:
-        raise ApiError(400, "logprobs are not supported yet; omit the field or send null.", "logprobs", "unsupported")
     if req.suffix:
         raise ApiError(400, "suffix (insertion) is not supported by GPT-2; omit it.", "suffix", "unsupported")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -40,6 +39,49 @@ def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
         raise ApiError(400, f"best_of is not supported; omit it or set it equal to n ({n}).", "best_of", "unsupported")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true.", "stream_options", "invalid_value")
+
+
+def _check_logprobs(req: CompletionRequest) -> None:
+    """0 .. MAX_LOGPROBS, and not with echo: the runtime scores generated tokens, not the prompt's."""
+    if req.logprobs is None:
+        return
+    if req.logprobs > MAX_LOGPROBS:
+        raise ApiError(
+            400,
+            f"logprobs must be at most {MAX_LOGPROBS} on this server (OpenAI's limit), got {req.logprobs}.",
+            "logprobs",
+            "invalid_value",
+        )
+    if req.echo:
+        raise ApiError(
+            400,
+            "echo with logprobs is not supported: this server reports log-probs of generated tokens only (prompt "
+            "tokens are not scored); drop echo, or logprobs.",
+            "logprobs",
+            "unsupported",
+        )
+
+
+def _max_tokens(req: CompletionRequest, n_positions: int) -> int:
+    """OpenAI's default 16; 0 only with echo (the prompt comes back, nothing is decoded)."""
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    if max_tokens == 0 and not req.echo:
+        raise ApiError(
+            400,
+            "max_tokens 0 asks for no completion, and without echo there is nothing to return; send max_tokens "
+            ">= 1, or echo: true to get the prompt back.",
+            "max_tokens",
+            "invalid_value",
+        )
+    if max_tokens >= n_positions:
+        raise ApiError(
+            400,
+            f"max_tokens must be less than the model's {n_positions} positions (the prompt needs at least one), "
+            f"got {max_tokens}.",
+            "max_tokens",
+            "invalid_value",
+        )
+    return max_tokens
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -80,16 +122,9 @@ def plan_request(
             "n",
             "invalid_value",
         )
+    _check_logprobs(req)
     stop = _stop_strings(req.stop)
-    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    if max_tokens >= n_positions:
-        raise ApiError(
-            400,
-            f"max_tokens must be less than the model's {n_positions} positions (the prompt needs at least one), "
-            f"got {max_tokens}.",
-            "max_tokens",
-            "invalid_value",
-        )
+    max_tokens = _max_tokens(req, n_positions)
     lens = [len(encode(p)) or 1 for p in prompts]  # an empty prompt starts from <|endoftext|>
     for i, plen in enumerate(lens):
         if plen + max_tokens > n_positions:
@@ -105,4 +140,4 @@ def plan_request(
     top_p = 1.0 if req.top_p is None else req.top_p
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=req.seed, ignore_eos=req.ignore_eos)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Plan(prompts, lens, n, max_tokens, sampling, stop, req.stream, include_usage, req.echo)
+    return Plan(prompts, lens, n, max_tokens, sampling, stop, req.stream, include_usage, req.echo, req.logprobs)

@@ -40,7 +40,7 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     prompt: str | list[str]
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (plan.py)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(None, ge=1)
@@ -49,7 +49,7 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0)  # at most MAX_LOGPROBS (plan.py)
     best_of: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -114,10 +114,19 @@ def _as_api_error(e: ValidationError) -> ApiError:
 
 
 def completion_body(
-    cid: str, created: int, model: str, texts: list[str], reasons: list[str], usage: dict[str, int]
+    cid: str,
+    created: int,
+    model: str,
+    texts: list[str],
+    reasons: list[str],
+    usage: dict[str, int],
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """logprobs: each choice's `logprobs` object, when the request asked for them."""
+    blocks = logprobs if logprobs is not None else [None] * len(texts)
     choices = [
-        {"text": t, "index": i, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))
+        {"text": t, "index": i, "logprobs": lp, "finish_reason": r}
+        for i, (t, r, lp) in enumerate(zip(texts, reasons, blocks))
     ]
     return {
         "id": cid,
@@ -129,10 +138,13 @@ def completion_body(
     }
 
 
-def chunk_body(cid: str, created: int, model: str, choice: int, text: str, reason: str | None) -> dict[str, Any]:
-    """One streamed event: new text of one choice (finish_reason on its last one)."""
+def chunk_body(
+    cid: str, created: int, model: str, choice: int, text: str, reason: str | None, logprobs: dict | None = None
+) -> dict[str, Any]:
+    """One streamed event: new text of one choice (finish_reason on its last one) and, when asked for, the
+    log-probs of the tokens that start in that text."""
     body = completion_body(cid, created, model, [], [], {})
-    body["choices"] = [{"text": text, "index": choice, "logprobs": None, "finish_reason": reason}]
+    body["choices"] = [{"text": text, "index": choice, "logprobs": logprobs, "finish_reason": reason}]
     del body["usage"]
     return body
 
