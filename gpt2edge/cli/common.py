@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import sys
 import warnings
 
@@ -43,6 +44,25 @@ def report_stream(as_json: bool):
     """Where a human report (validation table, quality report) goes: stdout, or stderr under --json, whose
     stdout is exactly one JSON document. Progress bars (on a terminal only) and errors go to stderr."""
     return sys.stderr if as_json else sys.stdout
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses nan and inf: nan passes every comparison, so a plain range lets it in."""
+
+    name = "finite float range"
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+def finite_range(
+    min: float | None = None, max: float | None = None, min_open: bool = False, max_open: bool = False
+) -> FiniteFloatRange:
+    """The type of every float option: a range (unbounded where None) of finite numbers."""
+    return FiniteFloatRange(min, max, min_open=min_open, max_open=max_open)
 
 
 THREADS = click.IntRange(1, 1024)  # ONNX Runtime would try to start any number of threads

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import SEEDS, THREADS, friendly_errors, main, warnings_to_stderr
+from gpt2edge.cli.common import SEEDS, THREADS, finite_range, friendly_errors, main, warnings_to_stderr
 from gpt2edge.cli.generate_output import (
     generate_batch,
     generate_each,
@@ -72,7 +72,7 @@ def _cfg_default(value: object) -> str:
 )
 @click.option(
     "--temperature",
-    type=click.FloatRange(min=0),
+    type=finite_range(min=0),
     default=None,
     help="Sampling temperature; 0 = greedy " + _cfg_default(1.0) + ".",
 )
@@ -84,25 +84,25 @@ def _cfg_default(value: object) -> str:
 )
 @click.option(
     "--top-p",
-    type=click.FloatRange(0, 1, min_open=True),
+    type=finite_range(0, 1, min_open=True),
     default=None,
     help="Sample in the smallest set of tokens holding this probability mass, in (0, 1] " + _cfg_default(1.0) + ".",
 )
 @click.option(
     "--repetition-penalty",
-    type=float,
+    type=finite_range(min=0, min_open=True),
     default=None,
     help="> 1 discourages repeats, greedy or sampling " + _cfg_default(1.0) + ".",
 )
 @click.option(
     "--min-p",
-    type=click.FloatRange(0, 1, min_open=True),
+    type=finite_range(0, 1, min_open=True),
     default=None,
     help="Sample among tokens at least this fraction of the best one's probability " + _cfg_default("off") + ".",
 )
 @click.option(
     "--typical-p",
-    type=click.FloatRange(0, 1, min_open=True),
+    type=finite_range(0, 1, min_open=True),
     default=None,
     help="Locally typical sampling mass in (0, 1] " + _cfg_default(1.0) + ".",
 )
@@ -119,17 +119,19 @@ def _cfg_default(value: object) -> str:
 @click.option("--truncate", is_flag=True, help="Keep the end of a prompt that does not fit instead of failing.")
 @click.option(
     "--num-beams",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Beam search with this many beams (1 = off) [default: the model's generation_config.json, else 1].",
 )
 @click.option(
     "--num-return-sequences",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Sequences per prompt (<= --num-beams) [default: the model's generation_config.json, else 1].",
 )
-@click.option("--length-penalty", type=float, default=None, help="Beam score = logprob / len**this [default: 1.0].")
+@click.option(
+    "--length-penalty", type=finite_range(), default=None, help="Beam score = logprob / len**this [default: 1.0]."
+)
 @click.option(
     "--early-stopping",
     type=click.Choice(["true", "false", "never"], case_sensitive=False),
@@ -145,7 +147,7 @@ def _cfg_default(value: object) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (implies --no-stream).")
 @click.option(
     "--logprobs",
-    type=int,
+    type=click.IntRange(min=0),
     default=None,
     help="With --json: each token's log-prob and the N most likely (0 = the chosen token only).",
 )
@@ -158,11 +160,13 @@ def _cfg_default(value: object) -> str:
 )
 @click.option(
     "--prompt-lookup",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Speculative decoding with drafts copied from the context: the longest n-gram to match (e.g. 2).",
 )
-@click.option("--draft-tokens", type=int, default=None, help="Draft tokens per target step [default: adaptive].")
+@click.option(
+    "--draft-tokens", type=click.IntRange(min=1), default=None, help="Draft tokens per target step [default: adaptive]."
+)
 @friendly_errors
 def generate(
     model_dir,

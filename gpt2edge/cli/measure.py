@@ -6,7 +6,15 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import THREADS, friendly_errors, main, print_json, report_stream, warnings_to_stderr
+from gpt2edge.cli.common import (
+    THREADS,
+    finite_range,
+    friendly_errors,
+    main,
+    print_json,
+    report_stream,
+    warnings_to_stderr,
+)
 from gpt2edge.extras import require_extra
 from gpt2edge.prompt_input import read_text_file
 
@@ -25,10 +33,12 @@ from gpt2edge.prompt_input import read_text_file
 @click.option(
     "--max-tokens", type=click.IntRange(min=2), default=256, show_default=True, help="Tokens of the text to score."
 )
-@click.option("--max-kl", type=float, default=None, help="Fail if mean KL(ref || variant) exceeds this.")
-@click.option("--min-top1", type=float, default=None, help="Fail if top-1 agreement is below this (0..1).")
-@click.option("--max-logprob-diff", type=float, default=None, help="Fail if max |Δ logprob| exceeds this.")
-@click.option("--min-greedy-match", type=int, default=None, help="Fail if fewer greedy tokens match.")
+@click.option("--max-kl", type=finite_range(min=0), default=None, help="Fail if mean KL(ref || variant) exceeds this.")
+@click.option("--min-top1", type=finite_range(0, 1), default=None, help="Fail if top-1 agreement is below this (0..1).")
+@click.option(
+    "--max-logprob-diff", type=finite_range(min=0), default=None, help="Fail if max |Δ logprob| exceeds this."
+)
+@click.option("--min-greedy-match", type=click.IntRange(min=0), default=None, help="Fail if fewer greedy tokens match.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (the table on stderr).")
 @friendly_errors
 def parity(
@@ -102,8 +112,12 @@ def parity(
 @click.option("-m", "--model", "source", default=None, help="PyTorch source for --vs-torch [default: manifest's].")
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON on stdout.")
 @click.option("--draft", type=click.Path(path_type=Path), default=None, help="Speculative vs plain, this draft.")
-@click.option("--prompt-lookup", type=int, default=None, help="Speculative vs plain, prompt lookup (n-gram).")
-@click.option("--draft-tokens", type=int, default=None, help="Draft tokens per target step [default: adaptive].")
+@click.option(
+    "--prompt-lookup", type=click.IntRange(min=1), default=None, help="Speculative vs plain, prompt lookup (n-gram)."
+)
+@click.option(
+    "--draft-tokens", type=click.IntRange(min=1), default=None, help="Draft tokens per target step [default: adaptive]."
+)
 @click.option(
     "--text",
     "texts",
@@ -229,7 +243,7 @@ def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
     help="auto: one pass per window on a --head all export, else token by token through the KV cache.",
 )
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--threads", type=click.IntRange(1, 1024), default=None, help="Intra-op threads.")
+@click.option("--threads", type=THREADS, default=None, help="Intra-op threads, 1..1024.")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with per-token log-probs on stdout.")
 @friendly_errors
