@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
-from gpt2edge.errors import ModelFolderError
+from gpt2edge.errors import ChecksumError, ModelFolderError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "gpt2edge-export"
@@ -403,7 +403,7 @@ def verify_files(folder: Path, manifest: dict[str, Any] | Manifest) -> None:
         check_present(folder, [rel])
         p = resolve_inside(folder, rel)
         if file_digest(p) != asdict(expected):
-            raise ModelFolderError(
-                f"{folder / rel} does not match its manifest checksum (modified or corrupted); re-export the model, "
-                "or pass --no-verify to skip the check."
+            # no flag named here: only some commands can skip the check (the CLI adds --no-verify where it can)
+            raise ChecksumError(
+                f"{folder / rel} does not match its manifest checksum (modified or corrupted); re-export the model."
             )

@@ -12,7 +12,7 @@ import warnings
 import click
 
 from gpt2edge import __version__
-from gpt2edge.errors import Gpt2EdgeError
+from gpt2edge.errors import ChecksumError, Gpt2EdgeError
 
 
 def friendly_errors(fn):
@@ -23,7 +23,7 @@ def friendly_errors(fn):
         try:
             return fn(*args, **kwargs)
         except Gpt2EdgeError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {e}{_skip_hint(e)}", err=True)
             sys.exit(1)
         except MemoryError as e:  # e.g. numpy cannot allocate the KV cache of 10^7 beams
             click.echo(
@@ -34,6 +34,13 @@ def friendly_errors(fn):
             sys.exit(1)
 
     return wrapper
+
+
+def _skip_hint(e: Gpt2EdgeError) -> str:
+    """A checksum error names --no-verify only in a command that has it (the library's message names no flag)."""
+    ctx = click.get_current_context(silent=True)
+    has_flag = ctx is not None and any(p.name == "no_verify" for p in ctx.command.params)
+    return " Or pass --no-verify to skip the check." if isinstance(e, ChecksumError) and has_flag else ""
 
 
 def print_json(obj) -> None:
