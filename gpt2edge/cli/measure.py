@@ -180,17 +180,14 @@ def bench(
         check_plotting()
     if vs_torch:
         require_extra("export", "bench --vs-torch")  # before the ONNX Runtime runs, not after
+        source = source or _recorded_source(model_dir)
     record = run_bench(model_dir, cfg)
     if vs_torch:
         from gpt2edge.bench.torch_baseline import torch_bench
-        from gpt2edge.manifest import read_manifest
 
-        recorded = read_manifest(model_dir)["source"]
         fitted = BenchConfig(**record["config"])  # the lengths run_bench measured (defaults fitted to the model)
         prompts = bench_prompts(fitted, record["vocab_size"])
-        t = torch_bench(
-            source or recorded.get("path") or recorded["model"], prompts, fitted.new_tokens, repeat, threads
-        )
+        t = torch_bench(source, prompts, fitted.new_tokens, repeat, threads)
         t["decode_ms_per_token_median"] = t["decode_ms_per_token"]  # torch_bench reports the median too
         t["prefill_speedup"] = t["prefill_ms"] / record["prefill_ms"]
         t["decode_speedup"] = t["decode_ms_per_token"] / record["decode_ms_per_token"]
@@ -215,6 +212,18 @@ def bench(
             click.echo(f"{k:<32} {v}")
     for row in record.get("sweep", []):
         click.echo(f"{'context ' + str(row['context']):<32} {row['decode_ms_per_token']:.2f} ms/token (median)")
+
+
+def _recorded_source(model_dir: Path) -> str:
+    """The PyTorch source the manifest records (its local path first), or an error asking for -m."""
+    from gpt2edge.errors import ModelFolderError
+    from gpt2edge.manifest import read_manifest
+
+    recorded = read_manifest(model_dir).get("source") or {}
+    found = recorded.get("path") or recorded.get("model")
+    if not found:
+        raise ModelFolderError(f"{model_dir}: the manifest records no source model; pass -m SOURCE with --vs-torch.")
+    return found
 
 
 def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
