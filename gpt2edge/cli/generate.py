@@ -12,9 +12,12 @@ from gpt2edge.cli.generate_output import (
     generate_batch,
     generate_each,
     generate_search,
+    note_folder_search,
     note_ignored_knobs,
 )
 from gpt2edge.prompt_input import FORMATS
+
+ONE_SEQUENCE = dict(num_beams=1, num_return_sequences=1)  # said explicitly: generation_config.json may ask for more
 
 
 def _cfg_default(value: object) -> str:
@@ -48,7 +51,10 @@ def _cfg_default(value: object) -> str:
     "string. auto: jsonl when every non-blank line is such an object, else lines.",
 )
 @click.option(
-    "--sequential", is_flag=True, help="Generate the prompts one after another (each streamed), not as one batch."
+    "--sequential",
+    is_flag=True,
+    help="Generate the prompts one after another (each streamed, or with beam search printed once done), not as one "
+    "batch.",
 )
 @click.option(
     "-n",
@@ -248,6 +254,11 @@ def generate(
             from gpt2edge.interactive import run_interactive
 
             del kwargs["truncate"]  # a session drops its oldest tokens instead
+            folder = search_params(gen.defaults, num_beams=num_beams, num_return_sequences=num_return_sequences)
+            if folder.expands:  # generation_config.json's (-i refuses counts above 1 as flags)
+                note_folder_search(folder, "-i continues one sequence per turn, so each turn decodes one (pass "
+                                   "{flags} to drop this note).")  # fmt: skip
+            kwargs.update(ONE_SEQUENCE)  # what a session decodes (it refuses more)
             sys.exit(run_interactive(gen, texts[0] if texts else None, kwargs))
         # every prompt must fit before the first one is generated (--sequential would otherwise fail midway)
         params = gen.sampling_params(**{k: v for k, v in kwargs.items() if k != "truncate"})
@@ -263,11 +274,14 @@ def generate(
         stream = not (no_stream or as_json)
         # generation_config.json may ask for beams or several sequences too: Generator.generate follows it
         if search_params(gen.defaults, **search).expands:
-            interrupted = generate_search(gen, texts, {**kwargs, **search}, as_json)
-        elif sequential or len(texts) == 1:
-            interrupted = generate_each(gen, texts, kwargs, stream, as_json)
+            if stream and all(v is None for v in search.values()):  # the folder, not a flag, turned streaming off
+                note_folder_search(search_params(gen.defaults), "each sequence prints once complete, not streamed "
+                                   "(pass {flags} to stream one sequence).")  # fmt: skip
+            interrupted = generate_search(gen, texts, {**kwargs, **search}, as_json, sequential)
+        elif sequential or len(texts) == 1:  # one sequence per prompt, said over the folder's num_beams
+            interrupted = generate_each(gen, texts, {**kwargs, **ONE_SEQUENCE}, stream, as_json)
         else:
-            interrupted = generate_batch(gen, texts, kwargs, as_json)
+            interrupted = generate_batch(gen, texts, {**kwargs, **ONE_SEQUENCE}, as_json)
     except KeyboardInterrupt:
         interrupted = True
     if interrupted:
@@ -290,10 +304,12 @@ def _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, i
 
 
 def _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping):
-    """A session continues one sequence: beam search options given with -i would be silently dropped."""
-    given = dict(num_beams=num_beams, num_return_sequences=num_return_sequences, length_penalty=length_penalty,
-                 early_stopping=early_stopping)  # fmt: skip
-    names = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+    """A session continues one sequence: beam search options given with -i would be silently dropped (a count
+    of 1 says one sequence, as -i decodes)."""
+    counts = dict(num_beams=num_beams, num_return_sequences=num_return_sequences)
+    knobs = dict(length_penalty=length_penalty, early_stopping=early_stopping)
+    given = [k for k, v in counts.items() if v not in (None, 1)] + [k for k, v in knobs.items() if v is not None]
+    names = [f"--{k.replace('_', '-')}" for k in given]
     if interactive and names:
         raise click.UsageError(f"-i continues one sequence per turn; drop {', '.join(names)} (beam search and "
                                "several sequences run without -i).")  # fmt: skip
