@@ -68,6 +68,45 @@ def test_free_text_list_names_only_real_options():
     assert FREE_TEXT <= names, FREE_TEXT - names
 
 
+def library_choices() -> dict[tuple[str, str], tuple]:
+    """(command, option) -> the library constant its click.Choice must offer (a second list would drift)."""
+    from gpt2edge.convert import FORMATS
+    from gpt2edge.export.random_checkpoint import SIZES
+    from gpt2edge.manifest import HEAD_MODES, KV_CACHE_MODES
+    from gpt2edge.prompt_input import FORMATS as PROMPT_FORMATS
+    from gpt2edge.quantize.handler import ACCURACY_LEVELS, HEAD_BITS, MODES
+    from gpt2edge.quantize.primitives import BLOCK_SIZES
+    from gpt2edge.runtime.beam import EARLY_STOPPING_NAMES
+    from gpt2edge.runtime.score import METHODS
+    from gpt2edge.runtime.session import PROVIDERS
+
+    devices = {(c, "device"): tuple(PROVIDERS) for c in ("generate", "bench", "score", "serve")}
+    return {
+        ("export", "head"): HEAD_MODES,
+        ("export", "kv_cache"): KV_CACHE_MODES,
+        ("random-checkpoint", "size"): tuple(SIZES),
+        ("quantize", "mode"): MODES,
+        ("quantize", "block_size"): BLOCK_SIZES,
+        ("quantize", "accuracy_level"): ACCURACY_LEVELS,
+        ("quantize", "head_bits"): HEAD_BITS,
+        ("convert", "fmt"): FORMATS,
+        ("generate", "file_format"): PROMPT_FORMATS,
+        ("generate", "early_stopping"): EARLY_STOPPING_NAMES,
+        ("score", "method"): METHODS,
+        **devices,
+    }
+
+
+CHOICES = [(c, p) for c, p in OPTIONS if isinstance(p.type, click.Choice)]
+
+
+@pytest.mark.parametrize("command, option", CHOICES, ids=[f"{c} {max(p.opts, key=len)}" for c, p in CHOICES])
+def test_every_choice_offers_the_librarys_own_values(command, option):
+    expected = library_choices().get((command, option.name))
+    assert expected is not None, f"{command} {option.opts[-1]}: name the library constant its choices come from"
+    assert list(option.type.choices) == list(expected)
+
+
 def test_convert_format_is_the_library_formats():
     from gpt2edge.convert import FORMATS
 

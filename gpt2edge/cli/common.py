@@ -13,6 +13,7 @@ import click
 
 from gpt2edge import __version__
 from gpt2edge.errors import ChecksumError, Gpt2EdgeError
+from gpt2edge.runtime.session import PROVIDERS
 
 
 def friendly_errors(fn):
@@ -71,6 +72,8 @@ def finite_range(
     """The type of every float option: a range (unbounded where None) of finite numbers."""
     return FiniteFloatRange(min, max, min_open=min_open, max_open=max_open)
 
+
+DEVICES = click.Choice(tuple(PROVIDERS))  # the execution providers the runtime knows
 
 THREADS = click.IntRange(1, 1024)  # ONNX Runtime would try to start any number of threads
 

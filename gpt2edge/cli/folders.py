@@ -9,6 +9,7 @@ import click
 from gpt2edge.cli.common import SEEDS, finite_range, friendly_errors, main, print_json, report_stream
 from gpt2edge.convert import FORMATS
 from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, SUPPORTED_OPSETS
+from gpt2edge.export.random_checkpoint import SIZES
 from gpt2edge.extras import require_extra
 from gpt2edge.manifest import HEAD_MODES, KV_CACHE_MODES
 from gpt2edge.prompt_input import read_text_file
@@ -91,7 +92,7 @@ def export(source, out, head, kv_cache, opset, validate, atol, force, revision, 
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option(
     "--size",
-    type=click.Choice(["tiny", "mini", "small"]),
+    type=click.Choice(tuple(SIZES)),
     default="tiny",
     show_default=True,
     help="tiny/mini for tests and demos; small is the real 124M GPT-2 shape.",

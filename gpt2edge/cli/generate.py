@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import SEEDS, THREADS, finite_range, friendly_errors, main, warnings_to_stderr
+from gpt2edge.cli.common import DEVICES, SEEDS, THREADS, finite_range, friendly_errors, main, warnings_to_stderr
 from gpt2edge.cli.generate_output import (
     generate_batch,
     generate_each,
@@ -16,6 +16,7 @@ from gpt2edge.cli.generate_output import (
     note_ignored_knobs,
 )
 from gpt2edge.prompt_input import FORMATS
+from gpt2edge.runtime.beam import EARLY_STOPPING_NAMES
 
 ONE_SEQUENCE = dict(num_beams=1, num_return_sequences=1)  # said explicitly: generation_config.json may ask for more
 
@@ -140,11 +141,11 @@ def _cfg_default(value: object) -> str:
 )
 @click.option(
     "--early-stopping",
-    type=click.Choice(["true", "false", "never"], case_sensitive=False),
+    type=click.Choice(EARLY_STOPPING_NAMES, case_sensitive=False),
     default=None,
     help="When beam search stops (transformers' early_stopping) [default: false].",
 )
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=DEVICES, default="cpu", show_default=True)
 @click.option(
     "--threads", type=THREADS, default=None, help="Intra-op threads, 1..1024 [default: ONNX Runtime's choice]."
 )

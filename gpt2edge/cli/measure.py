@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from gpt2edge.cli.common import (
+    DEVICES,
     THREADS,
     finite_range,
     friendly_errors,
@@ -17,6 +18,7 @@ from gpt2edge.cli.common import (
 )
 from gpt2edge.extras import require_extra
 from gpt2edge.prompt_input import read_text_file
+from gpt2edge.runtime.score import METHODS
 
 
 @main.command()
@@ -90,7 +92,7 @@ def parity(
 @click.option(
     "--threads", type=THREADS, default=None, help="Intra-op threads, 1..1024 [default: ONNX Runtime's choice]."
 )
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=DEVICES, default="cpu", show_default=True)
 @click.option(
     "--repeat", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs after one warm-up."
 )
@@ -246,12 +248,12 @@ def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
 @click.option("--stride", type=click.IntRange(min=1), default=None, help="Window start step [default: max-length/2].")
 @click.option(
     "--method",
-    type=click.Choice(["auto", "head-all", "token-by-token"]),
+    type=click.Choice(METHODS),
     default="auto",
     show_default=True,
     help="auto: one pass per window on a --head all export, else token by token through the KV cache.",
 )
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=DEVICES, default="cpu", show_default=True)
 @click.option("--threads", type=THREADS, default=None, help="Intra-op threads, 1..1024.")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with per-token log-probs on stdout.")

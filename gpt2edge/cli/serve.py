@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import THREADS, finite_range, friendly_errors, main
+from gpt2edge.cli.common import DEVICES, THREADS, finite_range, friendly_errors, main
 
 
 @main.command()
@@ -43,7 +43,7 @@ from gpt2edge.cli.common import THREADS, finite_range, friendly_errors, main
     show_default=True,
     help="Longest wait for a new batch to fill (see README: Serve).",
 )
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=DEVICES, default="cpu", show_default=True)
 @click.option(
     "--threads", type=THREADS, default=None, help="Intra-op threads, 1..1024 [default: ONNX Runtime's choice]."
 )

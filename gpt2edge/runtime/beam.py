@@ -25,6 +25,7 @@ from gpt2edge.runtime.tokenizer import TextStream, TextTokenizer
 
 SEARCH_KEYS = ("num_beams", "num_return_sequences", "length_penalty", "early_stopping")
 _EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
+EARLY_STOPPING_NAMES = tuple(_EARLY_STOPPING)  # what the CLI's --early-stopping takes
 
 
 @dataclass(frozen=True)
