@@ -45,8 +45,9 @@ GRAPH_FORMATS = ("onnx", "ort", "genai")
 STATIC_KV_CACHE = "static"
 
 
-def check_relpath(value: Any, where: str) -> str:
-    """A path named by a manifest: a normalised relative POSIX path with no '..', or a ModelFolderError."""
+def check_relpath(value: Any, where: str, field: str = "") -> str:
+    """A path named by a manifest (in `field`, e.g. "graph.file"): a normalised relative POSIX path with no '..',
+    or a ModelFolderError."""
     bad = None
     if not isinstance(value, str) or not value:
         bad = "is not a file name"
@@ -59,7 +60,11 @@ def check_relpath(value: Any, where: str) -> str:
         elif not p.parts or ".." in p.parts or p.as_posix() != value:
             bad = "leaves the folder or is not normalised"
     if bad:
-        raise ModelFolderError(f"{where}: the path {value!r} {bad}; a model folder names only files inside it.")
+        named = f"{field}: " if field else ""
+        raise ModelFolderError(
+            f"{where}: {named}the path {value!r} {bad}; a model folder names only files inside it (re-export the "
+            "model)."
+        )
     return value
 
 
@@ -137,8 +142,8 @@ class StaticInfo:
         batch, chunk, capacity = (f.integer(k) for k in ("batch", "chunk", "capacity"))
         if chunk > capacity:
             raise ModelFolderError(f"{where}: graph.static.chunk exceeds its capacity; re-export the model.")
-        prefill = check_relpath(f.text("prefill_file"), where)
-        decode = check_relpath(f.text("decode_file"), where)
+        prefill = check_relpath(f.text("prefill_file"), where, "graph.static.prefill_file")
+        decode = check_relpath(f.text("decode_file"), where, "graph.static.decode_file")
         if (decode == prefill) != (chunk == 1):
             raise ModelFolderError(f"{where}: graph.static needs its own decode graph unless chunk is 1; re-export.")
         return cls(batch, chunk, capacity, prefill, decode)
@@ -163,7 +168,7 @@ class GraphInfo:
     @classmethod
     def from_json(cls, g: Any, where: str) -> GraphInfo:
         f = Fields(g, "graph", where)
-        file = check_relpath(f.text("file"), where)
+        file = check_relpath(f.text("file"), where, "graph.file")
         files = f.items("files", [file])
         if file not in files:
             raise ModelFolderError(f"{where}: graph.files must be a list that holds graph.file; re-export the model.")
@@ -172,7 +177,7 @@ class GraphInfo:
         check_io(f, "outputs")
         info = cls(
             file=file,
-            files=tuple(check_relpath(name, where) for name in files),
+            files=tuple(check_relpath(name, where, f"graph.files[{i}]") for i, name in enumerate(files)),
             head=f.text("head", cls.head, choices=HEAD_MODES),
             kv_cache=f.text("kv_cache", cls.kv_cache, choices=(*KV_CACHE_MODES, STATIC_KV_CACHE)),
             attention=f.text("attention", None, choices=tuple(ATTENTION_OPS.values()), nullable=True),
@@ -220,7 +225,7 @@ class VocabInfo:
         if not isinstance(v, dict):
             raise ModelFolderError(f"{where}: 'vocab' must describe the kept token ids; trim the model again.")
         f = Fields(v, "vocab", where, fix="trim the model again")
-        file = check_relpath(f.text("kept_ids_file"), where)
+        file = check_relpath(f.text("kept_ids_file"), where, "vocab.kept_ids_file")
         kept, full = f.integer("kept"), f.integer("full")
         if full != vocab_size or kept > full:
             raise ModelFolderError(
@@ -261,10 +266,10 @@ class Manifest:
         top.integer("format_version", max=FORMAT_VERSION)
         files = {}
         for rel, d in top.record("files").data.items():
-            check_relpath(rel, where)
+            check_relpath(rel, where, "files")
             files[rel] = FileDigest(*read_digest(d, rel, where))
         graph = GraphInfo.from_json(top.record("graph").data, where)
-        tokenizer = check_relpath(top.text("tokenizer", "tokenizer.json"), where)
+        tokenizer = check_relpath(top.text("tokenizer", "tokenizer.json"), where, "tokenizer")
         # every file that is loaded must be checksummed, or --verify would not cover it
         for rel in (*graph.files, tokenizer):
             if rel not in files:

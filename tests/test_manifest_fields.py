@@ -231,3 +231,26 @@ def test_bench_vs_torch_without_a_recorded_source_asks_for_one(tiny_export, tmp_
     out = CliRunner().invoke(main, ["bench", str(folder), "--vs-torch", "--repeat", "1"])
     assert out.exit_code == 1 and "Traceback" not in out.output, out.output
     assert out.stderr.count("\n") == 1 and "pass -m SOURCE" in out.stderr, out.stderr
+
+
+def _set_file_key(m: dict) -> None:
+    m["files"]["../outside"] = m["files"].pop("config.json")
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda m: m.update(tokenizer="/etc/passwd"), "tokenizer"),
+        (lambda m: m["graph"].update(file="../x.onnx"), "graph.file"),
+        (lambda m: m["graph"].update(files=["model.onnx", "a\\b"]), "graph.files[1]"),
+        (lambda m: m["vocab"].update(kept_ids_file="../k.npy"), "vocab.kept_ids_file"),
+        (_set_file_key, "files"),
+    ],
+    ids=["tokenizer", "graph.file", "graph.files", "vocab.kept_ids_file", "files"],
+)
+def test_a_path_outside_the_folder_names_its_field(manifest, edit, field):
+    data = copy.deepcopy(manifest)
+    edit(data)
+    with pytest.raises(ModelFolderError) as e:
+        Manifest.from_json(data, "m/manifest.json")
+    assert f"m/manifest.json: {field}: the path" in str(e.value) and "re-export the model" in str(e.value)
