@@ -32,6 +32,11 @@ class ModelFolderError(Gpt2EdgeError):
     """A folder is not a gpt2edge export, or its files do not match its manifest."""
 
 
+class ChecksumError(ModelFolderError):
+    """A file's sha256 or size differs from the manifest. The message names no CLI flag: a command that can skip
+    the check (--no-verify) adds that to it."""
+
+
 class GenerationError(Gpt2EdgeError):
     """Invalid generation parameters, a prompt that does not fit, or a numerical failure while decoding."""
 

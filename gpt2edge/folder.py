@@ -5,6 +5,7 @@ The rules every command that writes a folder (export, quantize, random-checkpoin
   of its parents; an existing OUT needs --force, and --force replaces only a folder of the expected kind.
 - The final step never replaces what --force did not authorise at that moment: without --force the rename
   fails if OUT appeared meanwhile; with --force what is there is checked again right before it is replaced.
+- Every file and folder written gets the mode a plain open() / mkdir() would give under the umask.
 - Temporary folders carry their owner's pid; ones whose process is gone (SIGKILL, power loss) are removed
   by the next write into the same parent.
 """
@@ -281,6 +282,17 @@ def _install(tmp: Path, out: Path, shown: Path, force: bool, kind: Callable[[Pat
         shutil.rmtree(old, ignore_errors=True)
 
 
+def usual_modes(folder: Path) -> None:
+    """Give every file and folder inside `folder` the mode a plain open() / mkdir() gives under the umask: some
+    writers make private files (onnx's external data, safetensors: 0600), and copy2 keeps a source file's mode."""
+    mask = current_umask()
+    for root, dirs, files in os.walk(folder):
+        for name, mode in [*((d, 0o777) for d in dirs), *((f, 0o666) for f in files)]:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):  # chmod would follow it out of the folder
+                os.chmod(path, mode & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_output_dir(
     out: Path,
@@ -305,6 +317,7 @@ def atomic_output_dir(
         raise _write_error(e, shown) from e
     try:
         yield tmp
+        usual_modes(tmp)
         try:
             _install(tmp, real, shown, force, kind)
         except OSError as e:  # e.g. OUT is a mount point

@@ -20,13 +20,17 @@ from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
-from gpt2edge.errors import ModelFolderError
+from gpt2edge.errors import ChecksumError, ModelFolderError
+from gpt2edge.manifest_fields import Fields, check_io, check_records, read_digest
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "gpt2edge-export"
 FORMAT_VERSION = 1
 GENERATION_CONFIG = "generation_config.json"
 
+# graph.precision (export writes fp32, quantize the others) and graph.kv_dtype
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+KV_DTYPES = ("float32", "float16")
 # graph kinds a manifest may describe (graph.head, graph.kv_cache), and what computes attention in each
 # (graph.attention): the exporter writes these, the CLI offers them, the runtime checks them
 HEAD_MODES = ("last", "all", "tail")
@@ -41,8 +45,9 @@ GRAPH_FORMATS = ("onnx", "ort", "genai")
 STATIC_KV_CACHE = "static"
 
 
-def check_relpath(value: Any, where: str) -> str:
-    """A path named by a manifest: a normalised relative POSIX path with no '..', or a ModelFolderError."""
+def check_relpath(value: Any, where: str, field: str = "") -> str:
+    """A path named by a manifest (in `field`, e.g. "graph.file"): a normalised relative POSIX path with no '..',
+    or a ModelFolderError."""
     bad = None
     if not isinstance(value, str) or not value:
         bad = "is not a file name"
@@ -55,7 +60,11 @@ def check_relpath(value: Any, where: str) -> str:
         elif not p.parts or ".." in p.parts or p.as_posix() != value:
             bad = "leaves the folder or is not normalised"
     if bad:
-        raise ModelFolderError(f"{where}: the path {value!r} {bad}; a model folder names only files inside it.")
+        named = f"{field}: " if field else ""
+        raise ModelFolderError(
+            f"{where}: {named}the path {value!r} {bad}; a model folder names only files inside it (re-export the "
+            "model)."
+        )
     return value
 
 
@@ -86,20 +95,18 @@ class ModelDims:
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> ModelDims:
-        if not isinstance(d, dict):
-            raise ModelFolderError(f"{where} has no model dims; re-export the model.")
-        ints = {}
-        for k in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "head_dim", "n_inner"):
-            v = d.get(k)
-            if v is None and k in ("head_dim", "n_inner"):
-                continue  # older manifests: derived below
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ModelFolderError(f"{where}: dims.{k} must be a positive integer, got {v!r}; re-export.")
-            ints[k] = v
-        ints.setdefault("head_dim", ints["n_embd"] // ints["n_head"])
-        ints.setdefault("n_inner", 4 * ints["n_embd"])
-        extra = {f.name: d[f.name] for f in fields(cls) if f.name not in ints and f.name in d}
-        return cls(**ints, **extra)
+        f = Fields(d, "dims", where)
+        ints = {k: f.integer(k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions")}
+        return cls(
+            **ints,
+            # older manifests lack these two: derived as GPT-2 does
+            head_dim=f.integer("head_dim", ints["n_embd"] // ints["n_head"]),
+            n_inner=f.integer("n_inner", 4 * ints["n_embd"]),
+            layer_norm_epsilon=f.number("layer_norm_epsilon", cls.layer_norm_epsilon),
+            activation=f.text("activation", cls.activation),
+            attn_scale_by_layer=f.flag("attn_scale_by_layer", cls.attn_scale_by_layer),
+            scale_attn_weights=f.flag("scale_attn_weights", cls.scale_attn_weights),
+        )
 
     def __getitem__(self, key: str) -> Any:
         if key not in self.keys():
@@ -114,10 +121,6 @@ class ModelDims:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _positive_int(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, int) and v > 0
 
 
 @dataclass(frozen=True)
@@ -135,22 +138,15 @@ class StaticInfo:
     def from_json(cls, s: Any, where: str) -> StaticInfo | None:
         if s is None:
             return None
-        if not isinstance(s, dict):
-            raise ModelFolderError(f"{where}: graph.static must describe the static shapes; re-export the model.")
-        for k in ("batch", "chunk", "capacity"):
-            if not _positive_int(s.get(k)):
-                raise ModelFolderError(f"{where}: graph.static.{k} must be a positive integer, got {s.get(k)!r}.")
-        if s["chunk"] > s["capacity"]:
+        f = Fields(s, "graph.static", where)
+        batch, chunk, capacity = (f.integer(k) for k in ("batch", "chunk", "capacity"))
+        if chunk > capacity:
             raise ModelFolderError(f"{where}: graph.static.chunk exceeds its capacity; re-export the model.")
-        prefill = check_relpath(s.get("prefill_file"), where)
-        decode = check_relpath(s.get("decode_file"), where)
-        if (decode == prefill) != (s["chunk"] == 1):
+        prefill = check_relpath(f.text("prefill_file"), where, "graph.static.prefill_file")
+        decode = check_relpath(f.text("decode_file"), where, "graph.static.decode_file")
+        if (decode == prefill) != (chunk == 1):
             raise ModelFolderError(f"{where}: graph.static needs its own decode graph unless chunk is 1; re-export.")
-        return cls(s["batch"], s["chunk"], s["capacity"], prefill, decode)
-
-
-# optional graph fields taken as they are (then checked below)
-_GRAPH_KEYS = ("head", "kv_cache", "attention", "precision", "kv_dtype", "opset", "format")
+        return cls(batch, chunk, capacity, prefill, decode)
 
 
 @dataclass(frozen=True)
@@ -171,28 +167,27 @@ class GraphInfo:
 
     @classmethod
     def from_json(cls, g: Any, where: str) -> GraphInfo:
-        if not isinstance(g, dict) or "file" not in g:
-            raise ModelFolderError(f"{where} has no graph description; re-export the model.")
-        file = check_relpath(g["file"], where)
-        files = g.get("files", [file])
-        if not isinstance(files, list) or file not in files:
-            raise ModelFolderError(f"{where}: graph.files must be a list that holds graph.file; re-export.")
+        f = Fields(g, "graph", where)
+        file = check_relpath(f.text("file"), where, "graph.file")
+        files = f.items("files", [file])
+        if file not in files:
+            raise ModelFolderError(f"{where}: graph.files must be a list that holds graph.file; re-export the model.")
+        f.flag("tied_lm_head", None)  # what export wrote; read by nothing yet
+        check_io(f, "inputs")  # read by quantize, trim-vocab and convert
+        check_io(f, "outputs")
         info = cls(
             file=file,
-            files=tuple(check_relpath(f, where) for f in files),
-            **{k: g[k] for k in _GRAPH_KEYS if k in g},
-            decode_weight_bytes=g.get("decode_weight_bytes"),
+            files=tuple(check_relpath(name, where, f"graph.files[{i}]") for i, name in enumerate(files)),
+            head=f.text("head", cls.head, choices=HEAD_MODES),
+            kv_cache=f.text("kv_cache", cls.kv_cache, choices=(*KV_CACHE_MODES, STATIC_KV_CACHE)),
+            attention=f.text("attention", None, choices=tuple(ATTENTION_OPS.values()), nullable=True),
+            precision=f.text("precision", cls.precision, choices=PRECISIONS),
+            kv_dtype=f.text("kv_dtype", cls.kv_dtype, choices=KV_DTYPES),
+            opset=f.integer("opset", None, nullable=True),
+            decode_weight_bytes=f.integer("decode_weight_bytes", None, min=0, nullable=True),
+            format=f.text("format", cls.format, choices=GRAPH_FORMATS),
             static=StaticInfo.from_json(g.get("static"), where),
         )
-        for name, value, allowed in (
-            ("head", info.head, HEAD_MODES),
-            ("kv_cache", info.kv_cache, (*KV_CACHE_MODES, STATIC_KV_CACHE)),
-            ("format", info.format, GRAPH_FORMATS),
-        ):
-            if value not in allowed:
-                raise ModelFolderError(f"{where}: unknown graph.{name} {value!r}; re-export the model.")
-        if not isinstance(info.precision, str) or not isinstance(info.kv_dtype, str):
-            raise ModelFolderError(f"{where}: graph.precision and graph.kv_dtype must be strings; re-export.")
         info._check_static(where)
         return info
 
@@ -229,11 +224,9 @@ class VocabInfo:
             return None
         if not isinstance(v, dict):
             raise ModelFolderError(f"{where}: 'vocab' must describe the kept token ids; trim the model again.")
-        file = check_relpath(v.get("kept_ids_file"), where)
-        kept, full = v.get("kept"), v.get("full")
-        for name, n in (("kept", kept), ("full", full)):
-            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-                raise ModelFolderError(f"{where}: vocab.{name} must be a positive integer, got {n!r}; trim again.")
+        f = Fields(v, "vocab", where, fix="trim the model again")
+        file = check_relpath(f.text("kept_ids_file"), where, "vocab.kept_ids_file")
+        kept, full = f.integer("kept"), f.integer("full")
         if full != vocab_size or kept > full:
             raise ModelFolderError(
                 f"{where}: vocab keeps {kept} of {full} ids but the model has {vocab_size}; trim the model again."
@@ -264,28 +257,25 @@ class Manifest:
         """Check the format and every path and checksum entry; a ModelFolderError says what is wrong."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ModelFolderError(f"{where} is not a gpt2edge manifest; re-export the model with `gpt2edge export`.")
-        version = data.get("format_version", 0)
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        top = Fields(data, "", where)
+        version = data.get("format_version")
+        if type(version) is int and version > FORMAT_VERSION:
             raise ModelFolderError(
                 f"{where} was written by a newer gpt2edge (manifest format {version!r}); upgrade gpt2edge."
             )
-        raw_files = data.get("files", {})
-        if not isinstance(raw_files, dict):
-            raise ModelFolderError(f"{where}: 'files' must map file names to checksums; re-export the model.")
+        top.integer("format_version", max=FORMAT_VERSION)
         files = {}
-        for rel, d in raw_files.items():
-            check_relpath(rel, where)
-            ok = isinstance(d, dict) and isinstance(d.get("sha256"), str) and type(d.get("size")) is int
-            if not ok or d["size"] < 0:
-                raise ModelFolderError(f"{where}: the checksum entry of {rel} is malformed; re-export the model.")
-            files[rel] = FileDigest(d["sha256"], d["size"])
-        graph = GraphInfo.from_json(data.get("graph"), where)
-        tokenizer = check_relpath(data.get("tokenizer", "tokenizer.json"), where)
+        for rel, d in top.record("files").data.items():
+            check_relpath(rel, where, "files")
+            files[rel] = FileDigest(*read_digest(d, rel, where))
+        graph = GraphInfo.from_json(top.record("graph").data, where)
+        tokenizer = check_relpath(top.text("tokenizer", "tokenizer.json"), where, "tokenizer")
         # every file that is loaded must be checksummed, or --verify would not cover it
         for rel in (*graph.files, tokenizer):
             if rel not in files:
                 raise ModelFolderError(f"{where}: {rel} is loaded but not listed in 'files'; re-export the model.")
-        dims = ModelDims.from_json(data.get("dims"), where)
+        dims = ModelDims.from_json(top.record("dims").data, where)
+        check_records(top)
         if graph.static is not None and graph.static.capacity > dims.n_positions:
             raise ModelFolderError(f"{where}: graph.static.capacity exceeds dims.n_positions; re-export the model.")
         vocab = VocabInfo.from_json(data.get("vocab"), where, dims.vocab_size)
@@ -403,7 +393,7 @@ def verify_files(folder: Path, manifest: dict[str, Any] | Manifest) -> None:
         check_present(folder, [rel])
         p = resolve_inside(folder, rel)
         if file_digest(p) != asdict(expected):
-            raise ModelFolderError(
-                f"{folder / rel} does not match its manifest checksum (modified or corrupted); re-export the model, "
-                "or pass --no-verify to skip the check."
+            # no flag named here: only some commands can skip the check (the CLI adds --no-verify where it can)
+            raise ChecksumError(
+                f"{folder / rel} does not match its manifest checksum (modified or corrupted); re-export the model."
             )

@@ -188,7 +188,10 @@ def assert_refused(result, phrase: str, out: Path) -> None:
 
 def test_bad_requests_are_one_line_errors_and_write_nothing(tiny_export, ort_folders, tmp_path):
     out = tmp_path / "out"
-    assert_refused(convert_cli(tiny_export, "-o", out, "--format", "tflite"), "Unknown format 'tflite'", out)
+    bad_format = convert_cli(tiny_export, "-o", out, "--format", "tflite")  # click's Choice: a usage error
+    assert bad_format.exit_code == 2 and "Invalid value for '--format'" in bad_format.stderr and not out.exists()
+    with pytest.raises(ConvertError, match="Unknown format 'tflite'"):  # the library's own check
+        convert_folder(tiny_export, out, "tflite")
     (tmp_path / "plain").mkdir()
     assert_refused(convert_cli(tmp_path / "plain", "-o", out, "--format", "ort"), "not a gpt2edge export", out)
     assert_refused(convert_cli(tmp_path / "missing", "-o", out, "--format", "ort"), "does not exist", out)

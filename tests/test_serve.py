@@ -726,8 +726,8 @@ def test_cli_serve_starts_serves_and_stops(tiny_export):
     "args, message",
     [
         (["/no/such/folder"], "error: "),
-        (["{dir}", "--max-batch", "0"], "error: --max-batch must be >= 1"),
-        (["{dir}", "--max-queue", "0"], "error: --max-queue must be >= 1"),
+        (["{dir}", "--max-batch", "0"], "Invalid value for '--max-batch'"),
+        (["{dir}", "--max-queue", "0"], "Invalid value for '--max-queue'"),
         (["{dir}", "--ray", "--port", "0"], "Ray Serve needs a fixed port"),
         (["{dir}", "--replicas", "2"], "--replicas and --ray-address need --ray"),
     ],

@@ -5,14 +5,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import sys
 import warnings
 
 import click
 
 from gpt2edge import __version__
-from gpt2edge.errors import Gpt2EdgeError
-from gpt2edge.runtime.session import MAX_THREADS
+from gpt2edge.errors import ChecksumError, Gpt2EdgeError
+from gpt2edge.runtime.session import MAX_THREADS, PROVIDERS
 
 
 def friendly_errors(fn):
@@ -23,7 +24,7 @@ def friendly_errors(fn):
         try:
             return fn(*args, **kwargs)
         except Gpt2EdgeError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {e}{_skip_hint(e)}", err=True)
             sys.exit(1)
         except MemoryError as e:  # e.g. numpy cannot allocate the KV cache of 10^7 beams
             click.echo(
@@ -36,6 +37,13 @@ def friendly_errors(fn):
     return wrapper
 
 
+def _skip_hint(e: Gpt2EdgeError) -> str:
+    """A checksum error names --no-verify only in a command that has it (the library's message names no flag)."""
+    ctx = click.get_current_context(silent=True)
+    has_flag = ctx is not None and any(p.name == "no_verify" for p in ctx.command.params)
+    return " Or pass --no-verify to skip the check." if isinstance(e, ChecksumError) and has_flag else ""
+
+
 def print_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
 
@@ -45,6 +53,27 @@ def report_stream(as_json: bool):
     stdout is exactly one JSON document. Progress bars (on a terminal only) and errors go to stderr."""
     return sys.stderr if as_json else sys.stdout
 
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses nan and inf: nan passes every comparison, so a plain range lets it in."""
+
+    name = "finite float range"
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+def finite_range(
+    min: float | None = None, max: float | None = None, min_open: bool = False, max_open: bool = False
+) -> FiniteFloatRange:
+    """The type of every float option: a range (unbounded where None) of finite numbers."""
+    return FiniteFloatRange(min, max, min_open=min_open, max_open=max_open)
+
+
+DEVICES = click.Choice(tuple(PROVIDERS))  # the execution providers the runtime knows
 
 # every --threads option: the runtime's own bound (ONNX Runtime would try to start any number of threads)
 THREADS = click.IntRange(1, MAX_THREADS)

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import friendly_errors, main, print_json, report_stream
+from gpt2edge.cli.common import SEEDS, finite_range, friendly_errors, main, print_json, report_stream
+from gpt2edge.convert import FORMATS
 from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, SUPPORTED_OPSETS
+from gpt2edge.export.random_checkpoint import SIZES
 from gpt2edge.extras import require_extra
 from gpt2edge.manifest import HEAD_MODES, KV_CACHE_MODES
 from gpt2edge.prompt_input import read_text_file
@@ -42,7 +44,11 @@ from gpt2edge.quantize.primitives import BLOCK_SIZES
 )
 @click.option("--validate/--no-validate", default=True, show_default=True, help="Compare with PyTorch after export.")
 @click.option(
-    "--atol", type=float, default=DEFAULT_ATOL, show_default=True, help="Validation tolerance (max abs diff, > 0)."
+    "--atol",
+    type=finite_range(min=0, min_open=True),
+    default=DEFAULT_ATOL,
+    show_default=True,
+    help="Validation tolerance (max abs diff, > 0).",
 )
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
@@ -86,12 +92,12 @@ def export(source, out, head, kv_cache, opset, validate, atol, force, revision, 
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option(
     "--size",
-    type=click.Choice(["tiny", "mini", "small"]),
+    type=click.Choice(tuple(SIZES)),
     default="tiny",
     show_default=True,
     help="tiny/mini for tests and demos; small is the real 124M GPT-2 shape.",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEEDS, default=0, show_default=True)
 @click.option(
     "--tokenizer", default=None, help="Folder with the tokenizer (vocab.json + merges.txt or tokenizer.json)."
 )
@@ -183,6 +189,7 @@ def quantize(
 @click.option(
     "--format",
     "fmt",
+    type=click.Choice(FORMATS),
     required=True,
     help="ort: .ort graph + required_operators.config for minimal/mobile ONNX Runtime builds; "
     "genai: a folder onnxruntime-genai runs (genai_config.json).",
@@ -212,7 +219,9 @@ def convert(model_dir, out, fmt, force, as_json) -> None:
     type=click.Path(path_type=Path),
     help="Text file or folder of text files: keep the tokens it uses (repeatable).",
 )
-@click.option("--top", type=int, default=None, help="With --keep-from: keep only the N most frequent of them.")
+@click.option(
+    "--top", type=click.IntRange(min=1), default=None, help="With --keep-from: keep only the N most frequent of them."
+)
 @click.option(
     "--keep-ids",
     type=click.Path(path_type=Path),

@@ -7,14 +7,27 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import SEEDS, THREADS, THREADS_HELP, friendly_errors, main, warnings_to_stderr
+from gpt2edge.cli.common import (
+    DEVICES,
+    SEEDS,
+    THREADS,
+    THREADS_HELP,
+    finite_range,
+    friendly_errors,
+    main,
+    warnings_to_stderr,
+)
 from gpt2edge.cli.generate_output import (
     generate_batch,
     generate_each,
     generate_search,
+    note_folder_search,
     note_ignored_knobs,
 )
 from gpt2edge.prompt_input import FORMATS
+from gpt2edge.runtime.beam import EARLY_STOPPING_NAMES
+
+ONE_SEQUENCE = dict(num_beams=1, num_return_sequences=1)  # said explicitly: generation_config.json may ask for more
 
 
 def _cfg_default(value: object) -> str:
@@ -48,7 +61,10 @@ def _cfg_default(value: object) -> str:
     "string. auto: jsonl when every non-blank line is such an object, else lines.",
 )
 @click.option(
-    "--sequential", is_flag=True, help="Generate the prompts one after another (each streamed), not as one batch."
+    "--sequential",
+    is_flag=True,
+    help="Generate the prompts one after another (each streamed, or with beam search printed once done), not as one "
+    "batch.",
 )
 @click.option(
     "-n",
@@ -72,7 +88,7 @@ def _cfg_default(value: object) -> str:
 )
 @click.option(
     "--temperature",
-    type=click.FloatRange(min=0),
+    type=finite_range(min=0),
     default=None,
     help="Sampling temperature; 0 = greedy " + _cfg_default(1.0) + ".",
 )
@@ -84,25 +100,25 @@ def _cfg_default(value: object) -> str:
 )
 @click.option(
     "--top-p",
-    type=click.FloatRange(0, 1, min_open=True),
+    type=finite_range(0, 1, min_open=True),
     default=None,
     help="Sample in the smallest set of tokens holding this probability mass, in (0, 1] " + _cfg_default(1.0) + ".",
 )
 @click.option(
     "--repetition-penalty",
-    type=float,
+    type=finite_range(min=0, min_open=True),
     default=None,
     help="> 1 discourages repeats, greedy or sampling " + _cfg_default(1.0) + ".",
 )
 @click.option(
     "--min-p",
-    type=click.FloatRange(0, 1, min_open=True),
+    type=finite_range(0, 1, min_open=True),
     default=None,
     help="Sample among tokens at least this fraction of the best one's probability " + _cfg_default("off") + ".",
 )
 @click.option(
     "--typical-p",
-    type=click.FloatRange(0, 1, min_open=True),
+    type=finite_range(0, 1, min_open=True),
     default=None,
     help="Locally typical sampling mass in (0, 1] " + _cfg_default(1.0) + ".",
 )
@@ -119,31 +135,33 @@ def _cfg_default(value: object) -> str:
 @click.option("--truncate", is_flag=True, help="Keep the end of a prompt that does not fit instead of failing.")
 @click.option(
     "--num-beams",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Beam search with this many beams (1 = off) [default: the model's generation_config.json, else 1].",
 )
 @click.option(
     "--num-return-sequences",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Sequences per prompt (<= --num-beams) [default: the model's generation_config.json, else 1].",
 )
-@click.option("--length-penalty", type=float, default=None, help="Beam score = logprob / len**this [default: 1.0].")
+@click.option(
+    "--length-penalty", type=finite_range(), default=None, help="Beam score = logprob / len**this [default: 1.0]."
+)
 @click.option(
     "--early-stopping",
-    type=click.Choice(["true", "false", "never"], case_sensitive=False),
+    type=click.Choice(EARLY_STOPPING_NAMES, case_sensitive=False),
     default=None,
     help="When beam search stops (transformers' early_stopping) [default: false].",
 )
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=DEVICES, default="cpu", show_default=True)
 @click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
 @click.option("--no-stream", is_flag=True, help="Print the text once it is complete.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (implies --no-stream).")
 @click.option(
     "--logprobs",
-    type=int,
+    type=click.IntRange(min=0),
     default=None,
     help="With --json: each token's log-prob and the N most likely (0 = the chosen token only).",
 )
@@ -156,11 +174,13 @@ def _cfg_default(value: object) -> str:
 )
 @click.option(
     "--prompt-lookup",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Speculative decoding with drafts copied from the context: the longest n-gram to match (e.g. 2).",
 )
-@click.option("--draft-tokens", type=int, default=None, help="Draft tokens per target step [default: adaptive].")
+@click.option(
+    "--draft-tokens", type=click.IntRange(min=1), default=None, help="Draft tokens per target step [default: adaptive]."
+)
 @friendly_errors
 def generate(
     model_dir,
@@ -242,6 +262,11 @@ def generate(
             from gpt2edge.interactive import run_interactive
 
             del kwargs["truncate"]  # a session drops its oldest tokens instead
+            folder = search_params(gen.defaults, num_beams=num_beams, num_return_sequences=num_return_sequences)
+            if folder.expands:  # generation_config.json's (-i refuses counts above 1 as flags)
+                note_folder_search(folder, "-i continues one sequence per turn, so each turn decodes one (pass "
+                                   "{flags} to drop this note).")  # fmt: skip
+            kwargs.update(ONE_SEQUENCE)  # what a session decodes (it refuses more)
             sys.exit(run_interactive(gen, texts[0] if texts else None, kwargs))
         # every prompt must fit before the first one is generated (--sequential would otherwise fail midway)
         params = gen.sampling_params(**{k: v for k, v in kwargs.items() if k != "truncate"})
@@ -257,11 +282,14 @@ def generate(
         stream = not (no_stream or as_json)
         # generation_config.json may ask for beams or several sequences too: Generator.generate follows it
         if search_params(gen.defaults, **search).expands:
-            interrupted = generate_search(gen, texts, {**kwargs, **search}, as_json)
-        elif sequential or len(texts) == 1:
-            interrupted = generate_each(gen, texts, kwargs, stream, as_json)
+            if stream and all(v is None for v in search.values()):  # the folder, not a flag, turned streaming off
+                note_folder_search(search_params(gen.defaults), "each sequence prints once complete, not streamed "
+                                   "(pass {flags} to stream one sequence).")  # fmt: skip
+            interrupted = generate_search(gen, texts, {**kwargs, **search}, as_json, sequential)
+        elif sequential or len(texts) == 1:  # one sequence per prompt, said over the folder's num_beams
+            interrupted = generate_each(gen, texts, {**kwargs, **ONE_SEQUENCE}, stream, as_json)
         else:
-            interrupted = generate_batch(gen, texts, kwargs, as_json)
+            interrupted = generate_batch(gen, texts, {**kwargs, **ONE_SEQUENCE}, as_json)
     except KeyboardInterrupt:
         interrupted = True
     if interrupted:
@@ -284,10 +312,12 @@ def _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, i
 
 
 def _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping):
-    """A session continues one sequence: beam search options given with -i would be silently dropped."""
-    given = dict(num_beams=num_beams, num_return_sequences=num_return_sequences, length_penalty=length_penalty,
-                 early_stopping=early_stopping)  # fmt: skip
-    names = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+    """A session continues one sequence: beam search options given with -i would be silently dropped (a count
+    of 1 says one sequence, as -i decodes)."""
+    counts = dict(num_beams=num_beams, num_return_sequences=num_return_sequences)
+    knobs = dict(length_penalty=length_penalty, early_stopping=early_stopping)
+    given = [k for k, v in counts.items() if v not in (None, 1)] + [k for k, v in knobs.items() if v is not None]
+    names = [f"--{k.replace('_', '-')}" for k in given]
     if interactive and names:
         raise click.UsageError(f"-i continues one sequence per turn; drop {', '.join(names)} (beam search and "
                                "several sequences run without -i).")  # fmt: skip

@@ -57,20 +57,35 @@ def generate_batch(gen, texts: list[str], kwargs: dict, as_json: bool) -> bool:
     return any(r.finish_reason == "interrupted" for r in results)
 
 
-def generate_search(gen, texts: list[str], kwargs: dict, as_json: bool) -> bool:
-    """Beam search or several sequences per prompt, one row per sequence (prompt by prompt, best first);
-    returns whether Ctrl-C stopped it."""
-    results = gen.generate(texts, **kwargs)
-    # num_return_sequences > 1 gives a list per prompt
-    rows = [(t, r) for t, res in zip(texts, results) for r in (res if isinstance(res, list) else [res])]
+def generate_search(gen, texts: list[str], kwargs: dict, as_json: bool, sequential: bool = False) -> bool:
+    """Beam search or several sequences per prompt, one row per sequence (prompt by prompt, best first), all
+    prompts as one batch or (sequential) each printed once done; returns whether Ctrl-C stopped it."""
+    rows: list = []
+    for batch in [[t] for t in texts] if sequential else [texts]:
+        results = gen.generate(batch, **kwargs)
+        # num_return_sequences > 1 gives a list per prompt
+        new = [(t, r) for t, res in zip(batch, results) for r in (res if isinstance(res, list) else [res])]
+        rows += new
+        if not as_json:
+            for t, r in new:
+                _print_result(t, r)
+            print_timings(new[0][1].timings, sum(len(r.token_ids) for _, r in new))
+        if any(r.finish_reason == "interrupted" for _, r in new):
+            break
     if as_json:
         objs = [{"prompt": t, **r.to_json()} for t, r in rows]
         print_json(objs[0] if len(objs) == 1 else {"results": objs})
-    else:
-        for t, r in rows:
-            _print_result(t, r)
-        print_timings(rows[0][1].timings, sum(len(r.token_ids) for _, r in rows))
     return any(r.finish_reason == "interrupted" for _, r in rows)
+
+
+def note_folder_search(search, instead: str) -> None:
+    """generation_config.json asks for beam search or several sequences and no flag said otherwise: one line on
+    stderr saying what the command does instead of what the user may expect (`instead`: how, and its fix)."""
+    counts = {"num_beams": search.num_beams, "num_return_sequences": search.num_return_sequences}
+    asked = [k for k, v in counts.items() if v > 1]
+    flags = " ".join(f"--{k.replace('_', '-')} 1" for k in asked)
+    asks = " and ".join(f"{k}={counts[k]}" for k in asked)
+    click.echo(f"note: the model's generation_config.json asks for {asks}; {instead.format(flags=flags)}", err=True)
 
 
 def _print_result(text: str, result) -> None:

@@ -7,8 +7,10 @@ from pathlib import Path
 import click
 
 from gpt2edge.cli.common import (
+    DEVICES,
     THREADS,
     THREADS_HELP,
+    finite_range,
     friendly_errors,
     main,
     print_json,
@@ -17,6 +19,7 @@ from gpt2edge.cli.common import (
 )
 from gpt2edge.extras import require_extra
 from gpt2edge.prompt_input import read_text_file
+from gpt2edge.runtime.score import METHODS
 
 
 @main.command()
@@ -33,10 +36,12 @@ from gpt2edge.prompt_input import read_text_file
 @click.option(
     "--max-tokens", type=click.IntRange(min=2), default=256, show_default=True, help="Tokens of the text to score."
 )
-@click.option("--max-kl", type=float, default=None, help="Fail if mean KL(ref || variant) exceeds this.")
-@click.option("--min-top1", type=float, default=None, help="Fail if top-1 agreement is below this (0..1).")
-@click.option("--max-logprob-diff", type=float, default=None, help="Fail if max |Δ logprob| exceeds this.")
-@click.option("--min-greedy-match", type=int, default=None, help="Fail if fewer greedy tokens match.")
+@click.option("--max-kl", type=finite_range(min=0), default=None, help="Fail if mean KL(ref || variant) exceeds this.")
+@click.option("--min-top1", type=finite_range(0, 1), default=None, help="Fail if top-1 agreement is below this (0..1).")
+@click.option(
+    "--max-logprob-diff", type=finite_range(min=0), default=None, help="Fail if max |Δ logprob| exceeds this."
+)
+@click.option("--min-greedy-match", type=click.IntRange(min=0), default=None, help="Fail if fewer greedy tokens match.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (the table on stderr).")
 @friendly_errors
 def parity(
@@ -86,7 +91,7 @@ def parity(
 )
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=DEVICES, default="cpu", show_default=True)
 @click.option(
     "--repeat", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs after one warm-up."
 )
@@ -108,8 +113,12 @@ def parity(
 @click.option("-m", "--model", "source", default=None, help="PyTorch source for --vs-torch [default: manifest's].")
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON on stdout.")
 @click.option("--draft", type=click.Path(path_type=Path), default=None, help="Speculative vs plain, this draft.")
-@click.option("--prompt-lookup", type=int, default=None, help="Speculative vs plain, prompt lookup (n-gram).")
-@click.option("--draft-tokens", type=int, default=None, help="Draft tokens per target step [default: adaptive].")
+@click.option(
+    "--prompt-lookup", type=click.IntRange(min=1), default=None, help="Speculative vs plain, prompt lookup (n-gram)."
+)
+@click.option(
+    "--draft-tokens", type=click.IntRange(min=1), default=None, help="Draft tokens per target step [default: adaptive]."
+)
 @click.option(
     "--text",
     "texts",
@@ -172,17 +181,14 @@ def bench(
         check_plotting()
     if vs_torch:
         require_extra("export", "bench --vs-torch")  # before the ONNX Runtime runs, not after
+        source = source or _recorded_source(model_dir)
     record = run_bench(model_dir, cfg)
     if vs_torch:
         from gpt2edge.bench.torch_baseline import torch_bench
-        from gpt2edge.manifest import read_manifest
 
-        recorded = read_manifest(model_dir)["source"]
         fitted = BenchConfig(**record["config"])  # the lengths run_bench measured (defaults fitted to the model)
         prompts = bench_prompts(fitted, record["vocab_size"])
-        t = torch_bench(
-            source or recorded.get("path") or recorded["model"], prompts, fitted.new_tokens, repeat, threads
-        )
+        t = torch_bench(source, prompts, fitted.new_tokens, repeat, threads)
         t["decode_ms_per_token_median"] = t["decode_ms_per_token"]  # torch_bench reports the median too
         t["prefill_speedup"] = t["prefill_ms"] / record["prefill_ms"]
         t["decode_speedup"] = t["decode_ms_per_token"] / record["decode_ms_per_token"]
@@ -209,6 +215,18 @@ def bench(
         click.echo(f"{'context ' + str(row['context']):<32} {row['decode_ms_per_token']:.2f} ms/token (median)")
 
 
+def _recorded_source(model_dir: Path) -> str:
+    """The PyTorch source the manifest records (its local path first), or an error asking for -m."""
+    from gpt2edge.errors import ModelFolderError
+    from gpt2edge.manifest import read_manifest
+
+    recorded = read_manifest(model_dir).get("source") or {}
+    found = recorded.get("path") or recorded.get("model")
+    if not found:
+        raise ModelFolderError(f"{model_dir}: the manifest records no source model; pass -m SOURCE with --vs-torch.")
+    return found
+
+
 def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
     """bench --draft / --prompt-lookup: speculative next to plain decoding (gpt2edge.bench.speculative)."""
     from gpt2edge.bench.speculative import run_spec_bench, spec_rows
@@ -229,12 +247,12 @@ def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
 @click.option("--stride", type=click.IntRange(min=1), default=None, help="Window start step [default: max-length/2].")
 @click.option(
     "--method",
-    type=click.Choice(["auto", "head-all", "token-by-token"]),
+    type=click.Choice(METHODS),
     default="auto",
     show_default=True,
     help="auto: one pass per window on a --head all export, else token by token through the KV cache.",
 )
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=DEVICES, default="cpu", show_default=True)
 @click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with per-token log-probs on stdout.")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import THREADS, THREADS_HELP, friendly_errors, main
+from gpt2edge.cli.common import DEVICES, THREADS, THREADS_HELP, finite_range, friendly_errors, main
 
 
 @main.command()
@@ -16,23 +16,50 @@ from gpt2edge.cli.common import THREADS, THREADS_HELP, friendly_errors, main
     "--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port (0: any free port, printed)."
 )
 @click.option("--model-name", default=None, help="Name in /v1/models and requests [default: the folder's name].")
-@click.option("--max-batch", type=int, default=16, show_default=True, help="Rows (prompts x n) decoded together.")
-@click.option("--max-queue", type=int, default=128, show_default=True, help="Requests waiting; more get 429.")
-@click.option("--max-n", type=int, default=8, show_default=True, help="Largest n (choices) per request.")
-@click.option("--max-body-kb", type=int, default=1024, show_default=True, help="Largest request body (413 past it).")
+@click.option(
+    "--max-batch",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Rows (prompts x n) decoded together.",
+)
+@click.option(
+    "--max-queue", type=click.IntRange(min=1), default=128, show_default=True, help="Requests waiting; more get 429."
+)
+@click.option(
+    "--max-n", type=click.IntRange(min=1), default=8, show_default=True, help="Largest n (choices) per request."
+)
+@click.option(
+    "--max-body-kb",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="Largest request body (413 past it).",
+)
 @click.option(
     "--batch-wait-ms",
-    type=float,
+    type=finite_range(0, 1000),
     default=50.0,
     show_default=True,
     help="Longest wait for a new batch to fill (see README: Serve).",
 )
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=DEVICES, default="cpu", show_default=True)
 @click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
 @click.option("--ray", "use_ray", is_flag=True, help="Deploy on Ray Serve (extra `cluster`) instead of uvicorn.")
-@click.option("--replicas", type=int, default=None, help="With --ray: replicas, each loading MODEL_DIR [default: 1].")
-@click.option("--replica-cpus", type=float, default=1.0, show_default=True, help="With --ray: CPUs per replica.")
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --ray: replicas, each loading MODEL_DIR [default: 1].",
+)
+@click.option(
+    "--replica-cpus",
+    type=finite_range(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="With --ray: CPUs per replica.",
+)
 @click.option("--ray-address", default=None, help="With --ray: join this cluster (e.g. auto) [default: start one].")
 @friendly_errors
 def serve(
@@ -59,8 +86,6 @@ def serve(
 
     if not use_ray and (replicas is not None or ray_address is not None):
         raise click.UsageError("--replicas and --ray-address need --ray.")
-    if replicas is not None and replicas < 1:
-        raise click.BadParameter("must be >= 1", param_hint="--replicas")
     name = model_name or Path(model_dir).resolve().name
     config = ServeConfig(name, max_batch, max_queue, max_n, max_body_kb * 1024, batch_wait_ms)
     ready = lambda url: click.echo(f"serving {name} on {url} (OpenAI API at {url}/v1; Ctrl-C stops)")

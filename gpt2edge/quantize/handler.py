@@ -223,7 +223,8 @@ def _variant_manifest(parent: dict, src: Path, recipe: Recipe, files: list[str],
     )
     for io in ("inputs", "outputs"):
         graph[io] = [
-            {**t, "dtype": kv} if t["name"].startswith(("past_key_values.", "present.")) else t for t in graph[io]
+            {**t, "dtype": kv} if t["name"].startswith(("past_key_values.", "present.")) else t
+            for t in graph.get(io, [])  # optional in a manifest
         ]
     parent_files = graph_files(parent)
     before = sum(parent["files"][f]["size"] for f in parent_files)

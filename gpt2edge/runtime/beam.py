@@ -25,6 +25,7 @@ from gpt2edge.runtime.tokenizer import TextStream, TextTokenizer
 
 SEARCH_KEYS = ("num_beams", "num_return_sequences", "length_penalty", "early_stopping")
 _EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
+EARLY_STOPPING_NAMES = tuple(_EARLY_STOPPING)  # what the CLI's --early-stopping takes
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,22 @@ def search_params(defaults: Mapping[str, Any], **overrides: Any) -> SearchParams
     if "early_stopping" in values:
         values["early_stopping"] = parse_early_stopping(values["early_stopping"])
     return SearchParams(**values)
+
+
+def check_one_sequence(defaults: Mapping[str, Any], what: str, **overrides: Any) -> None:
+    """stream() and sessions decode one sequence: refuse beam search or several sequences, asked for by the call
+    or by generation_config.json, instead of silently returning one (transformers' generate refuses a streamer
+    with beam search too). `overrides`: the call's num_beams / num_return_sequences (None: not given)."""
+    search = search_params(defaults, **overrides)
+    if not search.expands:
+        return
+    counts = {"num_beams": search.num_beams, "num_return_sequences": search.num_return_sequences}
+    asked = [k for k, v in counts.items() if v > 1]
+    origin = "the call" if any(overrides.get(k) is not None for k in asked) else "the folder's generation_config.json"
+    raise GenerationError(
+        f"{what} decodes one sequence, but {origin} asks for {' and '.join(f'{k}={counts[k]}' for k in asked)}; "
+        f"pass {' and '.join(f'{k}=1' for k in asked)} to decode one, or call Generator.generate() for all of them."
+    )
 
 
 def check_search(search: SearchParams, params: SamplingParams) -> None:

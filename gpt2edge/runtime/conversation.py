@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.beam import check_one_sequence
 from gpt2edge.runtime.generate import GenerationState, Step, decode_n_tokens
 from gpt2edge.runtime.lm import OrtLM
 from gpt2edge.runtime.tokenizer import TextStream
@@ -163,6 +164,8 @@ class Conversation:
     def _prepare(self, ignore_eos, stop, seed, logprobs, sampling) -> GenerationState:
         """Check the turn's parameters before anything changes; raises GenerationError."""
         gen = self.generator
+        search = {k: sampling.pop(k, None) for k in ("num_beams", "num_return_sequences")}
+        check_one_sequence(gen.defaults, "A session", **search)  # one sequence per turn, whatever the folder asks
         params = gen.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
         if params.max_new_tokens >= self.n_positions:
             raise GenerationError(

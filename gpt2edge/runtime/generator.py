@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.beam import BeamState, SearchParams, check_search, iter_beam_search, search_params
+from gpt2edge.runtime.beam import (
+    BeamState,
+    SearchParams,
+    check_one_sequence,
+    check_search,
+    iter_beam_search,
+    search_params,
+)
 from gpt2edge.runtime.conversation import ContextOverflow, Conversation
 from gpt2edge.runtime.expand import iter_generate_expanded
 from gpt2edge.runtime.generate import GenerationState, Step, iter_generate, length_error
@@ -302,13 +309,17 @@ class Generator:
         seed: int | None = None,
         result: list | None = None,
         logprobs: int | None = None,
+        num_beams: int | None = None,
+        num_return_sequences: int | None = None,
         **sampling: Any,
     ) -> Iterator[str]:
         """Yield text pieces as they are decoded; never half a character, never part of a stop string. Pass
         `result=[]` to receive the GenerationResult (appended when the stream ends); its text is exactly the
         concatenated pieces. Bad parameters raise here, before the first piece. Streams of one Generator may
         be interleaved with each other and with generate() calls, in one thread or several: each holds its own
-        KV cache from its first piece until it is exhausted or closed."""
+        KV cache from its first piece until it is exhausted or closed. A stream is one sequence: beam search or
+        several sequences (asked for here or by generation_config.json) raise; num_beams=1 streams one anyway."""
+        check_one_sequence(self.defaults, "stream()", num_beams=num_beams, num_return_sequences=num_return_sequences)
         params = self.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
         recorder = self.logprob_recorder(logprobs, 1)
         prompts = self._encode([prompt], truncate, params)

@@ -100,7 +100,7 @@ def create_session(
     except Exception as e:  # ORT's own exception types (InvalidProtobuf, Fail, ...) share no base but Exception
         raise ModelFolderError(
             f"ONNX Runtime cannot load {graph} on {device} ({ort_message(e)}); if the file was changed or "
-            "truncated, export the model again (the checksum check, on unless --no-verify, names such a file)."
+            "truncated, export the model again."
         ) from e
     if PROVIDERS[device] not in sess.get_providers():
         # ORT falls back to CPU when CUDA libraries fail to load; say so instead of running slowly
