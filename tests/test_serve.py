@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed: pip ins
 pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip install 'gpt2edge[serve]'")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
 
+from gpt2edge.manifest import read_manifest, write_manifest  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob  # noqa: E402
 from gpt2edge.runtime.tokenizer import TextTokenizer  # noqa: E402
@@ -153,6 +155,25 @@ def test_completion_equals_generating_alone(server, ref):
     assert usage["prompt_tokens"] == sum(len(ref.tokenizer.encode(p)) for p in prompts)
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["completion_tokens"] <= 6 * 12
+
+
+def test_a_folder_asking_for_beams_and_bans_is_served_with_openai_semantics(tiny_export, ref, tmp_path):
+    """generation_config.json may ask for beam search, n-gram bans, typical-p: the server answers OpenAI's
+    request (one greedy sequence per choice), as the runtime does when told so, and streams as usual."""
+    folder = tmp_path / "beams"
+    shutil.copytree(tiny_export, folder)
+    path = folder / "generation_config.json"
+    extra = dict(num_beams=4, num_return_sequences=2, no_repeat_ngram_size=2, typical_p=0.5, bad_words_ids=[[11]])
+    path.write_text(json.dumps({**json.loads(path.read_text()), **extra}))
+    write_manifest(folder, read_manifest(folder))
+    with running(folder, max_batch=8, batch_wait_ms=10) as (url, _):
+        r = post(url, {"prompt": PROMPTS[:2], "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        texts = [c["text"] for c in r.json()["choices"]]
+        events = asyncio.run(_stream(url, {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
+                                           "ignore_eos": True, "stream": True}))  # fmt: skip
+    assert texts == [alone(ref, p, 12, ignore_eos=True) for p in PROMPTS[:2]]
+    assert events[-1] == "[DONE]" and joined(events)[0] == texts[0]  # joined() skips the last event
 
 
 def test_stream_is_sse_and_joins_to_the_plain_text(server, ref):
