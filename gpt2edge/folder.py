@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from gpt2edge.errors import Gpt2EdgeError, OutputExistsError, OutputFolderError
-from gpt2edge.manifest import FORMAT, MANIFEST_NAME, current_umask
+from gpt2edge.manifest import current_umask
+from gpt2edge.manifest_records import FORMAT, MANIFEST_NAME
 
 # .NAME.tmp-HOST-PID-START-RANDOM: HOST tells folders of other machines (or containers) apart, START (the
 # process start time) tells a reused pid apart

@@ -14,7 +14,7 @@ from gpt2edge.errors import ExportError
 from gpt2edge.export.fused_ops import onnx_translation
 from gpt2edge.export.model import ExportableGPT2
 from gpt2edge.export.options import DEFAULT_OPSET, check_opset
-from gpt2edge.manifest import KEEP_INPUT
+from gpt2edge.manifest_records import KEEP_INPUT
 from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD
 
 

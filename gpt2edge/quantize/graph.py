@@ -7,7 +7,8 @@ from pathlib import Path, PurePosixPath
 
 import onnx
 
-from gpt2edge.manifest import Manifest, resolve_inside
+from gpt2edge.manifest import resolve_inside
+from gpt2edge.manifest_records import Manifest
 from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD
 
 

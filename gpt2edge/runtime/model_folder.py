@@ -11,17 +11,8 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import GenerationError, ModelFolderError
-from gpt2edge.manifest import (
-    ATTENTION_OPS,
-    GENERATION_CONFIG,
-    GraphInfo,
-    Manifest,
-    ModelDims,
-    check_present,
-    load_manifest,
-    resolve_inside,
-    verify_files,
-)
+from gpt2edge.manifest import check_present, load_manifest, resolve_inside, verify_files
+from gpt2edge.manifest_records import ATTENTION_OPS, GENERATION_CONFIG, GraphInfo, Manifest, ModelDims
 from gpt2edge.runtime.sampling_params import SamplingParams
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -68,7 +59,7 @@ class ModelFolder:
 
     @property
     def graph_format(self) -> str:
-        """ "onnx" or "ort" (ONNX Runtime's own format; gpt2edge.manifest.GRAPH_FORMATS)."""
+        """ "onnx" or "ort" (ONNX Runtime's own format; gpt2edge.manifest_records.GRAPH_FORMATS)."""
         return self.info.graph.format
 
     # resolved once (symlinks followed, checked inside the folder): a decode step names the graph in its error
@@ -87,7 +78,7 @@ class ModelFolder:
 
     @property
     def kv_cache(self) -> str:
-        """ "concat" or "shared" (see gpt2edge.manifest.KV_CACHE_MODES)."""
+        """ "concat" or "shared" (see gpt2edge.manifest_records.KV_CACHE_MODES)."""
         return self.info.graph.kv_cache
 
     @property
