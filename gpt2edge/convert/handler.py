@@ -16,7 +16,8 @@ from typing import Any
 import gpt2edge
 from gpt2edge.convert.ort_format import check_ort_size
 from gpt2edge.errors import ConvertError
-from gpt2edge.folder import atomic_output_dir, check_output_dir
+from gpt2edge.folder import atomic_output_dir
+from gpt2edge.folder_checks import check_output_dir
 from gpt2edge.manifest import graph_files, read_manifest, verify_files, write_manifest
 from gpt2edge.runtime.model_folder import ModelFolder
 

@@ -28,7 +28,8 @@ from gpt2edge.export.options import (
     parse_static_spec,
 )
 from gpt2edge.extras import require_extra
-from gpt2edge.folder import atomic_output_dir, check_output_dir
+from gpt2edge.folder import atomic_output_dir
+from gpt2edge.folder_checks import check_output_dir
 from gpt2edge.manifest import write_manifest
 from gpt2edge.manifest_records import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, STATIC_KV_CACHE
 from gpt2edge.onnx_stats import decode_weight_bytes

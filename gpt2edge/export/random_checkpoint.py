@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpt2edge.errors import CheckpointError
-from gpt2edge.folder import atomic_output_dir, is_checkpoint_folder
+from gpt2edge.folder import atomic_output_dir
+from gpt2edge.folder_checks import is_checkpoint_folder
 from gpt2edge.sample_text import SAMPLE_TEXT
 
 EOS = "<|endoftext|>"

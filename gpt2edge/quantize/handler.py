@@ -17,7 +17,8 @@ from tqdm import tqdm
 import gpt2edge
 from gpt2edge.errors import QuantizeError
 from gpt2edge.extras import require_extra
-from gpt2edge.folder import atomic_output_dir, check_output_dir, check_sources
+from gpt2edge.folder import atomic_output_dir
+from gpt2edge.folder_checks import check_output_dir, check_sources
 from gpt2edge.manifest import graph_files, load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
 
