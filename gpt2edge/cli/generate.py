@@ -1,22 +1,16 @@
-"""`gpt2edge generate`: its options, the checks on their combinations, and the dispatch to the runtime."""
+"""`gpt2edge generate`: the checks on how its options combine, and the dispatch to the runtime.
+
+The options themselves are declared in gpt2edge.cli.generate_options.
+"""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import (
-    DEVICES,
-    SEEDS,
-    THREADS,
-    THREADS_HELP,
-    finite_range,
-    friendly_errors,
-    main,
-    warnings_to_stderr,
-)
+from gpt2edge.cli.common import friendly_errors, main, warnings_to_stderr
+from gpt2edge.cli.generate_options import generate_options
 from gpt2edge.cli.generate_output import (
     generate_batch,
     generate_each,
@@ -24,163 +18,12 @@ from gpt2edge.cli.generate_output import (
     note_folder_search,
     note_ignored_knobs,
 )
-from gpt2edge.prompt_input import FORMATS
-from gpt2edge.runtime.beam import EARLY_STOPPING_NAMES
 
 ONE_SEQUENCE = dict(num_beams=1, num_return_sequences=1)  # said explicitly: generation_config.json may ask for more
 
 
-def _cfg_default(value: object) -> str:
-    return f"[default: the model's generation_config.json, else {value}]"
-
-
 @main.command()
-@click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option(
-    "-p",
-    "--prompt",
-    "prompts",
-    multiple=True,
-    help="Prompt text; repeat for a batch. '-' reads one prompt from stdin (one trailing newline dropped).",
-)
-@click.option(
-    "-f",
-    "--prompt-file",
-    "prompt_files",
-    multiple=True,
-    type=click.Path(exists=True, dir_okay=False, allow_dash=True),
-    help="Prompts from a UTF-8 file ('-': stdin), see --format; repeatable, after the -p prompts.",
-)
-@click.option(
-    "--format",
-    "file_format",
-    type=click.Choice(FORMATS),
-    default="auto",
-    show_default=True,
-    help='-f files. lines: one prompt per non-blank line. jsonl: one JSON object per non-blank line, its "prompt" '
-    "string. auto: jsonl when every non-blank line is such an object, else lines.",
-)
-@click.option(
-    "--sequential",
-    is_flag=True,
-    help="Generate the prompts one after another (each streamed, or with beam search printed once done), not as one "
-    "batch.",
-)
-@click.option(
-    "-n",
-    "--max-new-tokens",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Tokens to generate " + _cfg_default(32) + ".",
-)
-@click.option(
-    "--min-new-tokens",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Suppress EOS until this many tokens " + _cfg_default(0) + ".",
-)
-@click.option(
-    "--do-sample/--greedy",
-    default=None,
-    help="Sample the next token, or take the most likely one " + _cfg_default("greedy") + ". "
-    "--temperature, --top-k, --top-p and --seed only act when sampling; given without it, a notice on stderr "
-    "says they are ignored.",
-)
-@click.option(
-    "--temperature",
-    type=finite_range(min=0),
-    default=None,
-    help="Sampling temperature; 0 = greedy " + _cfg_default(1.0) + ".",
-)
-@click.option(
-    "--top-k",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Sample among the k most likely tokens; 0 = all " + _cfg_default(50) + ".",
-)
-@click.option(
-    "--top-p",
-    type=finite_range(0, 1, min_open=True),
-    default=None,
-    help="Sample in the smallest set of tokens holding this probability mass, in (0, 1] " + _cfg_default(1.0) + ".",
-)
-@click.option(
-    "--repetition-penalty",
-    type=finite_range(min=0, min_open=True),
-    default=None,
-    help="> 1 discourages repeats, greedy or sampling " + _cfg_default(1.0) + ".",
-)
-@click.option(
-    "--min-p",
-    type=finite_range(0, 1, min_open=True),
-    default=None,
-    help="Sample among tokens at least this fraction of the best one's probability " + _cfg_default("off") + ".",
-)
-@click.option(
-    "--typical-p",
-    type=finite_range(0, 1, min_open=True),
-    default=None,
-    help="Locally typical sampling mass in (0, 1] " + _cfg_default(1.0) + ".",
-)
-@click.option(
-    "--no-repeat-ngram-size",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Never repeat an n-gram of this size, greedy or sampling; 0 = off " + _cfg_default(0) + ".",
-)
-@click.option("--ban", multiple=True, help="Never generate this text (repeatable; also with a leading space).")
-@click.option("--seed", type=SEEDS, default=None, help="Seed of the sampler: same seed, same tokens [default: random].")
-@click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); not included in the output.")
-@click.option("--ignore-eos", is_flag=True, help="Keep going past the end-of-text token.")
-@click.option("--truncate", is_flag=True, help="Keep the end of a prompt that does not fit instead of failing.")
-@click.option(
-    "--num-beams",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Beam search with this many beams (1 = off) [default: the model's generation_config.json, else 1].",
-)
-@click.option(
-    "--num-return-sequences",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Sequences per prompt (<= --num-beams) [default: the model's generation_config.json, else 1].",
-)
-@click.option(
-    "--length-penalty", type=finite_range(), default=None, help="Beam score = logprob / len**this [default: 1.0]."
-)
-@click.option(
-    "--early-stopping",
-    type=click.Choice(EARLY_STOPPING_NAMES, case_sensitive=False),
-    default=None,
-    help="When beam search stops (transformers' early_stopping) [default: false].",
-)
-@click.option("--device", type=DEVICES, default="cpu", show_default=True)
-@click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
-@click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
-@click.option("--no-stream", is_flag=True, help="Print the text once it is complete.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (implies --no-stream).")
-@click.option(
-    "--logprobs",
-    type=click.IntRange(min=0),
-    default=None,
-    help="With --json: each token's log-prob and the N most likely (0 = the chosen token only).",
-)
-@click.option("-i", "--interactive", is_flag=True, help="Each line of stdin extends the context; /reset, /quit.")
-@click.option(
-    "--draft",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Speculative decoding with this draft model folder (same tokenizer, smaller model).",
-)
-@click.option(
-    "--prompt-lookup",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Speculative decoding with drafts copied from the context: the longest n-gram to match (e.g. 2).",
-)
-@click.option(
-    "--draft-tokens", type=click.IntRange(min=1), default=None, help="Draft tokens per target step [default: adaptive]."
-)
+@generate_options
 @friendly_errors
 def generate(
     model_dir,
