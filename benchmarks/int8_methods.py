@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from gpt2edge.bench.bench import BenchConfig, run_bench
+from gpt2edge.bench import BenchConfig, run_bench
 from gpt2edge.manifest import read_manifest, write_manifest
 from gpt2edge.quantize import make_recipe, quantize_model
 

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 import gpt2edge.bench.bench as bench_module
 import gpt2edge.bench.probe as probe_module
 from gpt2edge.cli import main
+from gpt2edge.errors import GenerationError
 from gpt2edge.manifest import read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,7 +131,7 @@ def test_bench_config_fits_defaults_for_library_callers():
     assert (cfg.fitted(1024).prompt_len, cfg.fitted(1024).new_tokens) == (128, 128)  # GPT-2: unchanged
     assert (cfg.fitted(128).prompt_len, cfg.fitted(128).new_tokens) == (64, 64)
     assert (cfg.fitted(5).prompt_len, cfg.fitted(5).new_tokens) == (2, 3)
-    with pytest.raises(bench_module.GenerationError, match="too short to bench"):
+    with pytest.raises(GenerationError, match="too short to bench"):
         cfg.fitted(2)
 
 

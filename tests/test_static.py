@@ -226,7 +226,7 @@ def test_parity_report_against_the_dynamic_export(static_export, tiny_export):
 
 
 def test_bench_fits_the_capacity_and_refuses_a_larger_batch(static_export):
-    from gpt2edge.bench.bench import BenchConfig, Workload
+    from gpt2edge.bench.workload import BenchConfig, Workload
 
     work = Workload(static_export, BenchConfig(repeat=1))
     assert (work.cfg.prompt_len, work.cfg.new_tokens) == (32, 32)  # defaults shrunk to the 64 slots

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2edge.bench.bench import BenchConfig, Workload, bench_prompts, progress
+from gpt2edge.bench.workload import BenchConfig, Workload, bench_prompts, progress
 from gpt2edge.runtime.beam import time_beam_search
 
 

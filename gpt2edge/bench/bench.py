@@ -1,115 +1,22 @@
-"""`gpt2edge bench`: prefill and decode latency of an export folder next to this machine's floors.
+"""`gpt2edge bench`: prefill and decode latency of an export folder next to this machine's floors, and its table.
 
-Workload: `batch` prompts of `prompt_len` seeded random token ids, `new_tokens` sampled tokens each
-(temperature 0.8, top-k 50, top-p 0.9; EOS ignored), one warm-up run then `repeat` timed runs. Decode
-figures pool every step of the timed runs: median (`decode_ms_per_token`, also named
-`decode_ms_per_token_median`), mean, p90. Lengths left to their defaults (128 + 128) shrink to fit a model
-with fewer positions. Only numpy, onnxruntime and tokenizers are used.
+The workload (gpt2edge.bench.workload) runs once to warm up, then `repeat` timed runs. Decode figures pool every
+step of the timed runs: median (`decode_ms_per_token`, also named `decode_ms_per_token_median`), mean, p90.
+Only numpy, onnxruntime and tokenizers are used.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import resource
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from gpt2edge.bench.probe import last_level_cache_bytes, matmul_gflops, read_bandwidth_gbs
-from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.generate import generate
-from gpt2edge.runtime.lm import load_graph
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.sampling import SamplingParams
-from gpt2edge.runtime.tokenizer import TextTokenizer
-
-SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9)
-DEFAULT_PROMPT_LEN = 128
-DEFAULT_NEW_TOKENS = 128
-MIN_NEW_TOKENS = 2  # the first token comes from the prefill: at least one decode step to time
-
-
-def fit_lengths(prompt_len: int | None, new_tokens: int | None, n_positions: int) -> tuple[int, int]:
-    """Lengths the user gave stay as given; those left to default (None) shrink to fit the model's positions
-    (both left to default: half each, at most 128)."""
-    if prompt_len is None and new_tokens is None:
-        prompt_len = min(DEFAULT_PROMPT_LEN, n_positions // 2)
-    if prompt_len is None:
-        prompt_len = min(DEFAULT_PROMPT_LEN, n_positions - new_tokens)
-    if new_tokens is None:
-        new_tokens = min(DEFAULT_NEW_TOKENS, n_positions - prompt_len)
-    return prompt_len, new_tokens
-
-
-@dataclass
-class BenchConfig:
-    prompt_len: int | None = None  # None: 128, shrunk to fit the model (see fit_lengths)
-    new_tokens: int | None = None  # None: 128, shrunk to fit the model
-    batch: int = 1
-    threads: int | None = None
-    device: str = "cpu"
-    repeat: int = 5
-    seed: int = 0
-
-    def check_runs(self) -> None:
-        """Clear errors before anything is loaded or timed (the sweep chooses its own lengths)."""
-        if self.repeat < 1:
-            raise GenerationError(f"--repeat must be >= 1, got {self.repeat}.")
-        if self.batch < 1:
-            raise GenerationError(f"--batch must be >= 1, got {self.batch}.")
-
-    def fitted(self, n_positions: int) -> BenchConfig:
-        """This config with both lengths set: defaults shrunk to fit, given values checked (clear errors)."""
-        if (self.prompt_len is not None and self.prompt_len < 1) or (
-            self.new_tokens is not None and self.new_tokens < MIN_NEW_TOKENS
-        ):
-            raise GenerationError(f"--prompt-len must be >= 1 and --new-tokens >= {MIN_NEW_TOKENS}.")
-        prompt_len, new_tokens = fit_lengths(self.prompt_len, self.new_tokens, n_positions)
-        if prompt_len < 1 or new_tokens < MIN_NEW_TOKENS or prompt_len + new_tokens > n_positions:
-            given = [
-                f for f, v in (("--prompt-len", self.prompt_len), ("--new-tokens", self.new_tokens)) if v is not None
-            ]
-            a = "a 1-token prompt" if self.prompt_len is None else f"--prompt-len {self.prompt_len}"
-            b = f"{MIN_NEW_TOKENS} new tokens" if self.new_tokens is None else f"--new-tokens {self.new_tokens}"
-            fix = "lower " + " or ".join(given) if given else "this model is too short to bench"
-            raise GenerationError(f"{a} + {b} exceeds the model's {n_positions} positions; {fix}.")
-        return dataclasses.replace(self, prompt_len=prompt_len, new_tokens=new_tokens)
-
-
-class Workload:
-    """A loaded model plus seeded prompts; `run()` is one timed generation."""
-
-    def __init__(self, model_dir: Path, cfg: BenchConfig, fixed_lengths: bool = True):
-        self.folder = ModelFolder.open(model_dir, verify=False)
-        cfg.check_runs()
-        self.lm = load_graph(self.folder, device=cfg.device, threads=cfg.threads).new_lm()  # OrtLM or StaticLM
-        # the sweep chooses its own lengths; a fixed workload gets both lengths, fitted to the model (a static
-        # graph: to its cache capacity)
-        self.cfg = cfg.fitted(self.lm.n_positions) if fixed_lengths else cfg
-        if fixed_lengths:  # a batch a static graph cannot take is refused now, not after the machine probes
-            self.lm.start(self.cfg.batch, self.cfg.prompt_len + self.cfg.new_tokens - 1)
-        self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
-
-    def run(self, prompt_len: int, new_tokens: int):
-        params = SamplingParams(max_new_tokens=new_tokens, seed=self.cfg.seed, **SAMPLING)
-        prompts = bench_prompts(self.cfg, self.folder.dims["vocab_size"], prompt_len)
-        return generate(self.lm, self.tokenizer, prompts, params, pad_id=0)
-
-
-def bench_prompts(cfg: BenchConfig, vocab_size: int, length: int | None = None) -> list[list[int]]:
-    """`batch` seeded random prompts of `length` (default: cfg.prompt_len, or 128 when it is not fitted yet)."""
-    rng = np.random.default_rng(cfg.seed)
-    return rng.integers(0, vocab_size, (cfg.batch, length or cfg.prompt_len or DEFAULT_PROMPT_LEN)).tolist()
-
-
-def progress(items, desc: str, unit: str, log):
-    """A tqdm bar on a terminal only: piped or redirected stderr (logs, CI) gets no carriage-return noise."""
-    isatty = getattr(log, "isatty", None)
-    return tqdm(items, desc=desc, unit=unit, file=log, leave=False, disable=not (isatty and isatty()))
+from gpt2edge.bench.workload import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT_LEN, BenchConfig, Workload, progress
 
 
 def floor_note(step_bytes: float, llc_bytes: int | None) -> str | None:
@@ -222,60 +129,6 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=None) -> dict[str, Any]:
         "decode_ms_best_run": min(run_decode_medians),
         "decode_vs_floor_best_run": min(run_decode_medians) / floor_ms if floor_ms is not None else None,
     }
-
-
-def sweep_contexts(n_positions: int, new_tokens: int) -> list[int]:
-    """32, 64, 128, ... and the longest context that still leaves room for `new_tokens`."""
-    top = n_positions - new_tokens
-    out, c = [], 32
-    while c < top:
-        out.append(c)
-        c *= 2
-    return out + [top] if top >= 1 else out
-
-
-def run_sweep(model_dir: Path, cfg: BenchConfig, new_tokens: int = 8, log=None) -> list[dict[str, float]]:
-    """Decode ms/token (median over `repeat` runs of `new_tokens`) at growing contexts."""
-    log = log or sys.stderr
-    work = Workload(Path(model_dir), cfg, fixed_lengths=False)
-    rows = []
-    contexts = sweep_contexts(work.lm.n_positions, new_tokens)
-    for context in progress(contexts, "sweep", "context", log):
-        work.run(context, new_tokens)  # warm-up at this size
-        steps = []
-        for _ in range(cfg.repeat):
-            steps += work.run(context, new_tokens).decode_ms
-        median = float(np.median(steps))
-        rows.append({"context": context, "decode_ms_per_token": median, "decode_ms_per_token_median": median})
-    return rows
-
-
-def check_plotting() -> None:
-    """Fail before any measurement when --plot cannot be honoured."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
-        raise GenerationError("--plot needs matplotlib: pip install 'gpt2edge[plot]'.")
-
-
-def plot_sweep(rows: list[dict[str, float]], path: Path, title: str) -> None:
-    """PNG of decode ms/token against context (needs the `plot` extra: matplotlib)."""
-    check_plotting()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["context"] for r in rows], [r["decode_ms_per_token"] for r in rows], marker="o")
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("decode ms / token")
-    ax.set_title(title)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def bench_rows(r: dict[str, Any]) -> list[tuple[str, str]]:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from gpt2edge.bench.bench import SAMPLING, BenchConfig, bench_prompts
+from gpt2edge.bench.workload import SAMPLING, BenchConfig, bench_prompts
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.generate import GenerationState, generate
 from gpt2edge.runtime.generator import Generator

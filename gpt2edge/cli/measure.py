@@ -156,23 +156,17 @@ def bench(
     if draft is not None or prompt_lookup is not None:
         if sweep or vs_torch or beam_widths:
             raise click.UsageError("--draft / --prompt-lookup do not combine with --sweep, --vs-torch or --num-beams.")
-        from gpt2edge.bench.bench import BenchConfig
         from gpt2edge.bench.speculative import SpecBench
+        from gpt2edge.bench.workload import BenchConfig
 
         cfg = BenchConfig(prompt_len, new_tokens, batch, threads, device, repeat)
         _bench_speculative(model_dir, cfg, SpecBench(draft, prompt_lookup, draft_tokens, tuple(texts), sample), as_json)
         return
     if texts or draft_tokens is not None or sample:
         raise click.UsageError("--text, --draft-tokens and --sample need --draft or --prompt-lookup.")
-    from gpt2edge.bench.bench import (
-        BenchConfig,
-        bench_prompts,
-        bench_rows,
-        check_plotting,
-        plot_sweep,
-        run_bench,
-        run_sweep,
-    )
+    from gpt2edge.bench.bench import bench_rows, run_bench
+    from gpt2edge.bench.sweep import check_plotting, plot_sweep, run_sweep
+    from gpt2edge.bench.workload import BenchConfig, bench_prompts
 
     cfg = BenchConfig(prompt_len, new_tokens, batch, threads, device, repeat)
     if plot is not None:
