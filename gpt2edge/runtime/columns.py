@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays inside: compared and hashed by identity
 class Columns:
     """ids: (K,) int64 ascending, the full id of each column; vocab_size: V; col: (V,) int64, each full id's
     column, -1 for a dropped id."""
