@@ -16,6 +16,7 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.beam_search import BeamSearch
+from gpt2edge.runtime.columns import Columns, lm_columns
 from gpt2edge.runtime.expand import prefill_expanded
 from gpt2edge.runtime.generate import GenerationState, Step, decode_one_token
 from gpt2edge.runtime.lm import OrtLM
@@ -175,6 +176,7 @@ def iter_beam_search(lm: OrtLM, tokenizer: TextTokenizer | None, state: BeamStat
         positions = mask[:, :S].sum(1)  # next position of each row; the beams of a prompt share it (and its mask)
         row_prompts = [np.asarray(p, dtype=np.int64) for p in prompts for _ in range(nb)]
         stopped = _stopped(params, tokenizer)
+        columns = lm_columns(lm)  # a trimmed head: its K columns, beams keep full ids
         for step in range(params.max_new_tokens):
             if np.isnan(logprobs).any():
                 raise GenerationError(
@@ -182,8 +184,8 @@ def iter_beam_search(lm: OrtLM, tokenizer: TextTokenizer | None, state: BeamStat
                     "than emit garbage (an fp16 overflow or a corrupted model?). Try the fp32 export."
                 )
             t0 = time.perf_counter()
-            scores = _process(logprobs, params, row_prompts, beams, step)
-            rows, tokens = beams.step(scores, stopped)
+            scores = _process(logprobs, params, row_prompts, beams, step, columns)
+            rows, tokens = beams.step(scores, stopped, columns)
             state.sampler_ms.append((time.perf_counter() - t0) * 1e3)
             state.wall_ms = (time.perf_counter() - start) * 1e3
             yield Step(step, tokens, np.ones(len(tokens), dtype=bool), [None] * len(tokens))
@@ -208,7 +210,12 @@ def iter_beam_search(lm: OrtLM, tokenizer: TextTokenizer | None, state: BeamStat
 
 
 def _process(
-    logprobs: np.ndarray, params: SamplingParams, row_prompts: list[np.ndarray], beams: BeamSearch, step: int
+    logprobs: np.ndarray,
+    params: SamplingParams,
+    row_prompts: list[np.ndarray],
+    beams: BeamSearch,
+    step: int,
+    columns: Columns | None = None,
 ) -> np.ndarray:
     """The logits processors transformers applies in beam search (no sampling warpers), in its order:
     repetition penalty, no-repeat n-gram, bad words over each beam's prompt and tokens so far, and EOS
@@ -217,7 +224,7 @@ def _process(
     if params.uses_history:
         generated = beams.running.reshape(len(row_prompts), -1)[:, :step]  # (P*nb, step)
         seen = [np.concatenate([p, g]) for p, g in zip(row_prompts, generated)]
-    return apply_processors(logprobs, params, seen, step)
+    return apply_processors(logprobs, params, seen, step, columns)
 
 
 def _record(state: BeamState, best: list[list[tuple[list[int], float]]], tokenizer: TextTokenizer | None) -> None:

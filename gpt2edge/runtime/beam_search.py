@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from gpt2edge.runtime.columns import Columns
 from gpt2edge.runtime.sampling import top_k_pool
 
 BIG = np.float32(1e9)  # transformers' "very large" score offset
@@ -70,16 +71,23 @@ class BeamSearch:
         self.improvable = np.ones((P, 1), dtype=bool)  # transformers' is_early_stop_heuristic_unsatisfied
         self.done = False
 
-    def step(self, logprobs: np.ndarray, stopped: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """(P*nb, V) log-probs of the running beams; stopped((P, K, t+1) generated tokens) -> (P, K) bool says
-        which candidates end here. Returns (P*nb,) rows the new beams continue and (P*nb,) their new tokens."""
+    def step(
+        self, logprobs: np.ndarray, stopped: Callable[[np.ndarray], np.ndarray], columns: Columns | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(P*nb, V) log-probs of the running beams ((P*nb, K) columns of a trimmed head, with `columns`);
+        stopped((P, K, t+1) generated tokens) -> (P, K) bool says which candidates end here. Returns (P*nb,)
+        rows the new beams continue and (P*nb,) their new tokens (full ids)."""
         P, nb = self.running_scores.shape
         V, t, k = logprobs.shape[1], self.t, self.k
         # 1. the best K continuations over all beams of each prompt
         total = (logprobs.reshape(P, nb, V) + self.running_scores[:, :, None]).reshape(P, nb * V)
-        top = top_k_sorted(total, k)  # (P, K)
+        if columns is not None and np.count_nonzero(total > -np.inf, axis=1).min() < k:
+            # fewer possible candidates than K: the full row fills up with -inf ones by (beam, id), dropped ids too
+            return self.step(columns.full(logprobs), stopped)
+        top = top_k_sorted(total, k)  # (P, K); (beam, column) orders as (beam, id): the map is increasing
         top_scores = gather(total, top)
         src_beam, tokens = top // V, top % V
+        tokens = tokens if columns is None else columns.ids[tokens]
         top_seqs = gather(self.running, src_beam)  # (P, K, max_new)
         top_seqs[:, :, t] = tokens
         src_rows = src_beam + np.arange(P)[:, None] * nb  # rows of the model's batch

@@ -27,6 +27,7 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.beam import check_one_sequence
+from gpt2edge.runtime.columns import forward_columns
 from gpt2edge.runtime.generate import GenerationState, Step, decode_n_tokens
 from gpt2edge.runtime.lm import OrtLM
 from gpt2edge.runtime.tokenizer import TextStream
@@ -218,7 +219,8 @@ class Conversation:
             warnings.warn(notice.message(), ContextOverflowWarning, stacklevel=4)
 
     def _feed_missing(self) -> np.ndarray:
-        """Feed the history tokens the cache lacks in one forward; returns the next token's log-probs (1, V)."""
+        """Feed the history tokens the cache lacks in one forward; returns the next token's log-probs (1, V), or
+        a trimmed head's (1, K) columns (generate.decode_n_tokens maps them)."""
         lm = self.lm
         if not self._cache_valid or lm.past_len >= len(self._history):
             lm.start(1, self.n_positions)  # past_len = 0; reuses the reserved buffers
@@ -227,7 +229,7 @@ class Conversation:
         ids = np.asarray([self._history[past:]], dtype=np.int64)  # (1, S)
         self.last_prefill_tokens = ids.shape[1]
         positions = np.arange(past, len(self._history), dtype=np.int64)[None]  # (1, S)
-        return lm.forward(ids, self._mask[:, : len(self._history)], positions)
+        return forward_columns(lm, ids, self._mask[:, : len(self._history)], positions)
 
     def _check_idle(self) -> None:
         if self._busy:

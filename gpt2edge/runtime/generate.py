@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.columns import forward_columns, lm_columns
 from gpt2edge.runtime.lm import OrtLM
 from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob
 from gpt2edge.runtime.sampling import SamplingParams, next_tokens
@@ -62,13 +63,14 @@ def position_ids_from_mask(mask: np.ndarray, seq: int) -> np.ndarray:
 
 
 def prefill(lm: OrtLM, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Run the whole (left-padded) prompt with an empty past; returns next-token log-probs (B, V)."""
-    return lm.forward(ids, mask, position_ids_from_mask(mask, ids.shape[1]))
+    """Run the whole (left-padded) prompt with an empty past; returns next-token log-probs (B, V), or (B, K) on
+    a vocabulary-trimmed head (its columns: lm_columns(lm))."""
+    return forward_columns(lm, ids, mask, position_ids_from_mask(mask, ids.shape[1]))
 
 
 def decode_one_token(lm: OrtLM, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """One (B, 1) step on top of the cache; returns next-token log-probs (B, V)."""
-    return lm.forward(tokens[:, None], mask, positions[:, None])
+    """One (B, 1) step on top of the cache; returns next-token log-probs (B, V), or (B, K) as prefill."""
+    return forward_columns(lm, tokens[:, None], mask, positions[:, None])
 
 
 def _check_finite(logprobs: np.ndarray, step: int) -> None:
@@ -110,8 +112,10 @@ def decode_n_tokens(
     pad_id: int,
     rng: np.random.Generator,
 ) -> Iterator[Step]:
-    """Sample, record, feed back, until every row has finished; yields after each sampled token."""
+    """Sample, record, feed back, until every row has finished; yields after each sampled token. `logprobs`
+    are prefill's: on a trimmed head, its K columns, and only the chosen ids become full ids."""
     params = state.params
+    columns = lm_columns(lm)
     S = lm.past_len
     positions = mask[:, :S].sum(1)  # next position of each row
     seen = [np.asarray(p, dtype=np.int64) for p in state.prompts]
@@ -120,7 +124,7 @@ def decode_n_tokens(
         _check_finite(logprobs, step)
         raw = logprobs.copy() if state.logprobs is not None else None  # the model's, before any processor
         t0 = time.perf_counter()
-        tokens = next_tokens(logprobs, params, seen, step, rng)
+        tokens = next_tokens(logprobs, params, seen, step, rng, columns)
         state.sampler_ms.append((time.perf_counter() - t0) * 1e3)
         active = np.array([r is None for r in state.finish_reasons])
         for b in np.flatnonzero(active):
@@ -136,7 +140,7 @@ def decode_n_tokens(
                 state.finish_reasons[b] = "length"
             if state.finish_reasons[b] is not None:
                 state.texts[b].finish()
-        recorded = state.logprobs.record(raw, tokens, active) if raw is not None else None
+        recorded = state.logprobs.record(raw, tokens, active, columns) if raw is not None else None
         yield Step(step, tokens, active, list(state.finish_reasons), recorded)
         if all(r is not None for r in state.finish_reasons):
             return

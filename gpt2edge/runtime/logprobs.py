@@ -15,6 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders
 
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.columns import Columns
 from gpt2edge.runtime.tokenizer import TextTokenizer
 
 
@@ -104,17 +105,23 @@ class LogprobRecorder:
             entry = self._tokens[token_id] = (text, raw)
         return entry
 
-    def record(self, logprobs: np.ndarray, tokens: np.ndarray, active: Sequence[bool]) -> list[TokenLogprob | None]:
-        """(B, V) log-probs the step's tokens were chosen from, (B,) tokens, (B,) rows that took their token.
-        Returns this step's record of each row (None for a row that took no token), for a per-step consumer."""
+    def record(
+        self, logprobs: np.ndarray, tokens: np.ndarray, active: Sequence[bool], columns: Columns | None = None
+    ) -> list[TokenLogprob | None]:
+        """(B, V) log-probs the step's tokens were chosen from ((B, K) columns of a trimmed head, with `columns`),
+        (B,) full token ids, (B,) rows that took their token. Returns this step's record of each row (None for a
+        row that took no token), for a per-step consumer."""
         step: list[TokenLogprob | None] = [None] * len(tokens)
         for b in np.flatnonzero(active):
             row, tok = logprobs[b], int(tokens[b])
-            top = [TopLogprob(int(i), *self._entry(row, int(i))) for i in top_ids(row, self.n)]
-            step[b] = TokenLogprob(tok, *self._entry(row, tok), top)
+            top = top_ids(row, self.n)  # columns ascending like their ids: ties come out in id order either way
+            top = top if columns is None else columns.ids[top]
+            top = [TopLogprob(int(i), *self._entry(row, int(i), columns)) for i in top]
+            step[b] = TokenLogprob(tok, *self._entry(row, tok, columns), top)
             self.rows[b].append(step[b])
         return step
 
-    def _entry(self, row: np.ndarray, token_id: int) -> tuple[str, float, list[int]]:
+    def _entry(self, row: np.ndarray, token_id: int, columns: Columns | None) -> tuple[str, float, list[int]]:
         text, raw = self.token(token_id)
-        return text, float(row[token_id]), list(raw)
+        value = float(row[token_id]) if columns is None else columns.value(row, token_id)
+        return text, value, list(raw)

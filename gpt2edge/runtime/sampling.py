@@ -1,13 +1,22 @@
 """Next-token selection as small pure NumPy functions that agree with transformers' logits processors.
 
 `next_tokens` applies them in the order of transformers' `GenerationMixin._get_logits_processor`, one line each:
-processors on the whole (B, V) batch (repetition penalty, no-repeat n-grams, bad words, min new tokens), then,
-when sampling, warpers on each row (temperature, top-k, top-p, min-p, typical-p). Same float32 arithmetic and
-boundary rules as transformers, so the kept token set is the one it keeps and probabilities agree within 1e-6;
-only a token within transformers' own float32 rounding (a few 1e-6 of mass) of a threshold may go either way.
+processors on the whole (B, V) batch (repetition penalty, no-repeat n-grams, bad words, min new tokens; in
+processors.py), then, when sampling, warpers on each row (temperature, top-k, top-p, min-p, typical-p). Same
+float32 arithmetic and boundary rules as transformers, so the kept token set is the one it keeps and
+probabilities agree within 1e-6; only a token within transformers' own float32 rounding (a few 1e-6 of mass) of
+a threshold may go either way.
 
 A warper works on one row's surviving tokens as (ids, vals): every token not in `ids` has score -inf. Top-k,
 top-p and typical-p sort only a candidate pool that provably holds their answer (on a peaked row, a few tokens).
+
+A vocabulary-trimmed head's rows are its K columns (`columns`, runtime/columns.py), and the tokens come back as
+full ids, the ones the (V,) row with -inf at the dropped ids gives, for the same seed: one uniform per row
+either way, the same values in the same (increasing-id) order. A dropped id has probability 0, so it never
+moves a cumulative sum or a draw; it does move NumPy's pairwise summation tree, so while a warper holds the
+WHOLE row (no top-k pool yet, or one with -inf in it), the few row sums (softmax, top-p's total, typical-p's
+entropy, the draw) are taken in the full row's layout (`layout`): bit-identical, at the cost of V-long sums
+on that path only. Once a pool is cut, the full row's pool has no dropped id and the arrays are the same.
 """
 
 from __future__ import annotations
@@ -15,92 +24,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.columns import Columns
+from gpt2edge.runtime.processors import (
+    NEG_INF,
+    apply_bad_words,
+    apply_min_new_tokens,
+    apply_no_repeat_ngram,
+    apply_processors,
+    apply_repetition_penalty,
+    banned_bad_word_tokens,
+    banned_ngram_tokens,
+)
 from gpt2edge.runtime.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "apply_processors", "next_tokens", "sample_index", "softmax", "warp_row"]
+__all__ = [
+    "SamplingParams", "apply_bad_words", "apply_min_new_tokens", "apply_no_repeat_ngram", "apply_processors",
+    "apply_repetition_penalty", "banned_bad_word_tokens", "banned_ngram_tokens", "next_tokens", "sample_index",
+    "softmax", "warp_row",
+]  # fmt: skip
 
-NEG_INF = np.float32(-np.inf)
 _SMALL = 256  # rows this short are sorted whole
 _BINS = 64  # half-nat bins of the top-p pool histogram: 32 nats below the best token, then one for the rest
 _BLOCK = 1024  # sample_index's block length on long rows
 
 
-# ---- processors: (B, V) scores and each row's history (prompt + generated ids) -> (B, V) scores -------------
-
-
-def apply_repetition_penalty(scores: np.ndarray, seen: Sequence[np.ndarray], penalty: float) -> np.ndarray:
-    """RepetitionPenaltyLogitsProcessor: a seen token's score is divided by the penalty if positive, else
-    multiplied (the graph's log-probs are never positive, so they are multiplied), in float32."""
-    if penalty == 1.0:
-        return scores
-    scores = scores.copy()
-    p = np.float32(penalty)
-    for b, ids in enumerate(seen):
-        ids = np.unique(ids)
-        ids = ids[ids < scores.shape[1]]  # ids past the output vocabulary cannot be generated: skipped
-        s = scores[b, ids]
-        scores[b, ids] = np.where(s < 0, s * p, s / p)
-    return scores
-
-
-def banned_ngram_tokens(history: np.ndarray, n: int) -> np.ndarray:
-    """Tokens that would complete an n-gram already in `history` (NoRepeatNGramLogitsProcessor's rule)."""
-    if n <= 0 or len(history) < n:
-        return np.empty(0, np.int64)
-    windows = sliding_window_view(np.asarray(history), n)  # (L - n + 1, n)
-    prefix = history[len(history) - n + 1 :]  # the n - 1 last tokens
-    return windows[(windows[:, :-1] == prefix).all(1), -1]
-
-
-def apply_no_repeat_ngram(scores: np.ndarray, seen: Sequence[np.ndarray], n: int) -> np.ndarray:
-    """NoRepeatNGramLogitsProcessor: no n-gram of the history (prompt included) occurs twice."""
-    if n <= 0:
-        return scores
-    scores = scores.copy()
-    for b, ids in enumerate(seen):
-        banned = banned_ngram_tokens(np.asarray(ids), n)
-        scores[b, banned[banned < scores.shape[1]]] = NEG_INF
-    return scores
-
-
-def banned_bad_word_tokens(history: np.ndarray, bad_words_ids: Sequence[Sequence[int]]) -> list[int]:
-    """Last tokens of the bad sequences whose prefix ends the history (a one-token sequence is always banned)."""
-    out = []
-    for seq in bad_words_ids:
-        k = len(seq) - 1
-        if k == 0 or (k <= len(history) and tuple(history[len(history) - k :]) == tuple(seq[:-1])):
-            out.append(seq[-1])
-    return out
-
-
-def apply_bad_words(
-    scores: np.ndarray, seen: Sequence[np.ndarray], bad_words_ids: Sequence[Sequence[int]], eos: Sequence[int]
-) -> np.ndarray:
-    """NoBadWordsLogitsProcessor: no bad sequence is completed. Like transformers, a one-token bad word that is
-    an EOS id is dropped (banning EOS is min_new_tokens' job)."""
-    bad = [s for s in bad_words_ids if not (len(s) == 1 and s[0] in eos)]
-    if not bad:
-        return scores
-    scores = scores.copy()
-    for b, ids in enumerate(seen):
-        scores[b, banned_bad_word_tokens(np.asarray(ids), bad)] = NEG_INF
-    return scores
-
-
-def apply_min_new_tokens(scores: np.ndarray, n_generated: int, min_new_tokens: int, eos: Sequence[int]) -> np.ndarray:
-    """MinNewTokensLengthLogitsProcessor: EOS is impossible until min_new_tokens tokens were generated."""
-    if n_generated >= min_new_tokens or not len(eos):
-        return scores
-    scores = scores.copy()
-    scores[:, list(eos)] = NEG_INF
-    return scores
-
-
 # ---- warpers: one row's surviving tokens (ids, float32 vals) -> the tokens they keep ------------------------
 # ids None means every token of the row (vals is then the whole row): the common top-k path never builds them.
+# layout: the Columns of a trimmed row while vals is that whole row (see the module docstring), else None.
 
 
 def _take(ids: np.ndarray | None, vals: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,11 +61,16 @@ def _take(ids: np.ndarray | None, vals: np.ndarray, keep: np.ndarray) -> tuple[n
     return (keep if ids is None else ids[keep]), vals[keep]
 
 
-def softmax(vals: np.ndarray) -> np.ndarray:
+def _sum(x: np.ndarray, dtype, layout: Columns | None = None):
+    """x.sum(dtype) as the full row gives it (a whole trimmed row's values among the dropped ids' zeros)."""
+    return (x if layout is None else layout.scatter(x)).sum(dtype=dtype)
+
+
+def softmax(vals: np.ndarray, layout: Columns | None = None) -> np.ndarray:
     """float32 softmax as torch computes it: shift by the max, exp, multiply by the reciprocal of the sum
     (the sum accumulated in float64: torch's float32 lane sums are close to exact, NumPy's float32 one less so)."""
     e = np.exp(vals - vals.max())
-    return e * (np.float32(1.0) / np.float32(e.sum(dtype=np.float64)))
+    return e * (np.float32(1.0) / np.float32(_sum(e, np.float64, layout)))
 
 
 def apply_temperature(row: np.ndarray, temperature: float) -> np.ndarray:
@@ -153,16 +110,18 @@ def apply_top_k(ids: np.ndarray | None, vals: np.ndarray, k: int) -> tuple[np.nd
     return _take(ids, vals, top_k_pool(vals, k))
 
 
-def _top_p_pool(vals: np.ndarray, probs: np.ndarray, threshold: np.float32) -> tuple[np.ndarray | None, float]:
+def _top_p_pool(
+    vals: np.ndarray, probs: np.ndarray, threshold: np.float32, layout: Columns | None = None
+) -> tuple[np.ndarray | None, float]:
     """(indices of the best tokens or None for all, float64 mass of the rest) with that rest all removed by top-p.
 
     transformers removes a token when the float32 cumulative mass of it and every token below it is <= 1 - top_p;
     the token just below the pool has exactly the rest's mass, so the pool holds the answer when that passes.
     A histogram of the mass by distance below the best score (half-nat bins) gives the pool in one pass.
     """
-    if vals.size <= _SMALL:
+    if (vals.size if layout is None else layout.vocab_size) <= _SMALL:
         return None, 0.0
-    total = probs.sum(dtype=np.float64)
+    total = _sum(probs, np.float64, layout)
     bins = np.minimum((vals.max() - vals) * np.float32(2), np.float32(_BINS)).astype(np.intp)  # -inf: last bin
     rest_after = total - np.cumsum(np.bincount(bins, weights=probs, minlength=_BINS + 1))
     for b in range(int(np.argmax(rest_after <= threshold)), _BINS):
@@ -173,59 +132,67 @@ def _top_p_pool(vals: np.ndarray, probs: np.ndarray, threshold: np.float32) -> t
     return None, 0.0  # the last bin: every token
 
 
-def apply_top_p(ids: np.ndarray | None, vals: np.ndarray, top_p: float) -> tuple[np.ndarray | None, np.ndarray]:
+def apply_top_p(ids: np.ndarray | None, vals: np.ndarray, top_p: float, layout: Columns | None = None):
     """TopPLogitsWarper: softmax in float32, sort ascending, cumulative sum accumulated in float64 (torch's CPU
-    cumsum) rounded to float32, remove where <= float32(1 - top_p); the best token is always kept."""
+    cumsum) rounded to float32, remove where <= float32(1 - top_p); the best token is always kept.
+    Returns (ids, vals, layout): top-p always removes the probability-0 tokens, so never the whole row."""
     if top_p >= 1.0:
-        return ids, vals
-    probs = softmax(vals)
+        return ids, vals, layout
+    probs = softmax(vals, layout)
     threshold = np.float32(1.0 - top_p)
-    pool, rest = _top_p_pool(vals, probs, threshold)
+    pool, rest = _top_p_pool(vals, probs, threshold, layout)
     # ascending; among ties the lower id comes first (is removed first)
     order = np.argsort(vals, kind="stable") if pool is None else pool[np.argsort(vals[pool], kind="stable")]
     cum = (rest + np.cumsum(probs[order], dtype=np.float64)).astype(np.float32)  # non-decreasing
     n_removed = min(int(np.searchsorted(cum, threshold, side="right")), len(order) - 1)  # cum <= threshold
-    return _take(ids, vals, order[n_removed:])
+    return (*_take(ids, vals, order[n_removed:]), None)
 
 
-def apply_min_p(ids: np.ndarray | None, vals: np.ndarray, min_p: float | None) -> tuple[np.ndarray | None, np.ndarray]:
-    """MinPLogitsWarper: remove tokens whose float32 probability is < min_p x the best one's; None disables it."""
+def apply_min_p(ids: np.ndarray | None, vals: np.ndarray, min_p: float | None, layout: Columns | None = None):
+    """MinPLogitsWarper: remove tokens whose float32 probability is < min_p x the best one's; None disables it.
+    Returns (ids, vals, layout); probability-0 tokens survive only a threshold that underflows to 0."""
     if min_p is None:
-        return ids, vals
-    probs = softmax(vals)
-    keep = ~(probs < np.float32(min_p) * probs.max())
+        return ids, vals, layout
+    probs = softmax(vals, layout)
+    threshold = np.float32(min_p) * probs.max()
+    keep = ~(probs < threshold)
     keep[probs.argmax()] = True
-    return _take(ids, vals, keep)
+    return (*_take(ids, vals, keep), layout if threshold <= 0 else None)
 
 
-def apply_typical_p(ids: np.ndarray | None, vals: np.ndarray, mass: float) -> tuple[np.ndarray | None, np.ndarray]:
+def apply_typical_p(ids: np.ndarray | None, vals: np.ndarray, mass: float, layout: Columns | None = None):
     """TypicalLogitsWarper: rank tokens by |-log p - entropy|, keep the best ranks up to `mass` (ties with the last
-    kept score stay); 1.0 disables it. Only a pool of the best-ranked tokens is sorted."""
+    kept score stay); 1.0 disables it. Only a pool of the best-ranked tokens is sorted. Returns (ids, vals,
+    layout): the probability-0 tokens rank last, kept only when every other token's mass falls short of `mass`."""
     if mass >= 1.0:
-        return ids, vals
+        return ids, vals, layout
     m = vals.max()
-    normalized = (vals - m) - np.float32(np.log(np.exp(vals - m).sum(dtype=np.float64)))  # float32 log_softmax
+    normalized = (vals - m) - np.float32(np.log(_sum(np.exp(vals - m), np.float64, layout)))  # float32 log_softmax
     p = np.exp(normalized)
-    ent = -np.nansum(normalized * p, dtype=np.float32)  # -inf * 0 is nan: skipped, like torch.nansum
+    with np.errstate(invalid="ignore"):  # -inf * 0 is nan: skipped below, like torch.nansum
+        terms = normalized * p if layout is None else layout.scatter(normalized * p)  # (the full row's sum)
+    ent = -np.nansum(terms, dtype=np.float32)
     shifted = np.abs(-normalized - ent)
-    probs = softmax(vals)
+    probs = softmax(vals, layout)
     limit = np.float32(mass)
-    k = min(_SMALL, vals.size)
+    n = vals.size if layout is None else layout.vocab_size  # the pool sizes the full row tries, in turn
+    k = min(_SMALL, n)
     while True:
         # the k best-ranked tokens and their ties; enough once their cumulative mass reaches `mass`
-        kth = np.partition(shifted, k - 1)[k - 1]
+        kth = np.partition(shifted, min(k, vals.size) - 1)[min(k, vals.size) - 1]
         pool = np.flatnonzero(shifted <= kth)
         order = pool[np.argsort(shifted[pool], kind="stable")]
         cum = np.cumsum(probs[order], dtype=np.float64).astype(np.float32)
-        if cum[-1] >= limit or k == vals.size:
+        if cum[-1] >= limit or k >= vals.size:
             break
-        k = min(4 * k, vals.size)
+        k = min(4 * k, n)
     last = min(int((cum < limit).sum()), len(order) - 1)  # transformers' last_ind (it clamps to the row)
-    return _take(ids, vals, shifted <= shifted[order[last]])  # holds the best-ranked token: min_tokens_to_keep=1
+    keep = shifted <= shifted[order[last]]  # holds the best-ranked token: min_tokens_to_keep=1
+    return (*_take(ids, vals, keep), layout if cum[-1] < limit else None)
 
 
-def warp_row(row: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """One row of processed scores -> (kept ids, their float32 probabilities), warpers in transformers' order."""
+def _warp(row: np.ndarray, params: SamplingParams, columns: Columns | None) -> tuple:
+    """warp_row's work: (row indices kept or None for all, float32 probabilities, layout)."""
     ids, vals = None, apply_temperature(row, params.temperature)  # TemperatureLogitsWarper
     ids, vals = apply_top_k(ids, vals, params.top_k)  # TopKLogitsWarper
     if vals.max() == NEG_INF:  # (checked on top-k's few candidates) transformers' multinomial fails with a torch error
@@ -233,10 +200,34 @@ def warp_row(row: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.nd
             "No token is left to sample: bad_words_ids, no_repeat_ngram_size and min_new_tokens ban every one; "
             "relax them."
         )
-    ids, vals = apply_top_p(ids, vals, params.top_p)  # TopPLogitsWarper
-    ids, vals = apply_min_p(ids, vals, params.min_p)  # MinPLogitsWarper
-    ids, vals = apply_typical_p(ids, vals, params.typical_p)  # TypicalLogitsWarper
-    return (np.arange(row.size) if ids is None else ids), softmax(vals)
+    k = params.top_k
+    # the full row is still whole after top-k unless a finite k-th score cut its -inf ids (the dropped ones) off
+    whole = columns is not None and (k <= 0 or k >= columns.vocab_size or np.count_nonzero(vals > NEG_INF) < k)
+    layout = columns if whole else None
+    ids, vals, layout = apply_top_p(ids, vals, params.top_p, layout)  # TopPLogitsWarper
+    ids, vals, layout = apply_min_p(ids, vals, params.min_p, layout)  # MinPLogitsWarper
+    ids, vals, layout = apply_typical_p(ids, vals, params.typical_p, layout)  # TypicalLogitsWarper
+    return ids, softmax(vals, layout), layout
+
+
+def warp_row(row: np.ndarray, params: SamplingParams, columns: Columns | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One row of processed scores -> (kept token ids, their float32 probabilities), warpers in transformers'
+    order. columns: the row is a trimmed head's (K,) columns; the ids are full ids all the same."""
+    ids, probs, _ = _warp(row, params, columns)
+    ids = np.arange(row.size) if ids is None else ids
+    return (ids if columns is None else columns.ids[ids]), probs
+
+
+def sample_row(
+    row: np.ndarray, params: SamplingParams, rng: np.random.Generator, columns: Columns | None = None
+) -> int:
+    """One processed row -> one drawn token id (a full id): the warpers, then one uniform by inverse CDF."""
+    ids, probs, layout = _warp(row, params, columns)
+    if layout is not None:  # the whole trimmed row: draw in the full row's layout, whose index is the token id
+        return sample_index(layout.scatter(probs), rng)
+    i = sample_index(probs, rng)
+    i = i if ids is None else int(ids[i])
+    return i if columns is None else int(columns.ids[i])
 
 
 def _first_above(cdf: np.ndarray, target: float) -> int:
@@ -261,17 +252,15 @@ def sample_index(probs: np.ndarray, rng: np.random.Generator) -> int:
     return b * _BLOCK + _first_above(np.cumsum(blocks[b]), target)
 
 
-def apply_processors(
-    scores: np.ndarray, params: SamplingParams, seen: Sequence[np.ndarray], n_generated: int
-) -> np.ndarray:
-    """(B, V) scores -> (B, V) scores; seen[b]: row b's ids so far (prompt + generated, no padding)."""
-    params.check_vocab(scores.shape[-1])
-    eos = params.eos_token_id
-    scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)  # RepetitionPenaltyLogitsProcessor
-    scores = apply_no_repeat_ngram(scores, seen, params.no_repeat_ngram_size)  # NoRepeatNGramLogitsProcessor
-    scores = apply_bad_words(scores, seen, params.bad_words_ids, eos)  # NoBadWordsLogitsProcessor
-    scores = apply_min_new_tokens(scores, n_generated, params.min_new_tokens, eos)  # MinNewTokensLength...
-    return scores
+def greedy_tokens(scores: np.ndarray, columns: Columns | None = None) -> np.ndarray:
+    """(B, W) processed scores -> (B,) argmax token ids (the first of tied best; full ids on a trimmed head)."""
+    best = scores.argmax(-1)
+    if columns is None:
+        return best
+    tokens = columns.ids[best]
+    # a row whose every token is banned: the full row's argmax is its first id, 0, as on an untrimmed head
+    tokens[scores[np.arange(len(scores)), best] == NEG_INF] = 0
+    return tokens
 
 
 def next_tokens(
@@ -280,13 +269,14 @@ def next_tokens(
     seen: Sequence[np.ndarray],
     n_generated: int,
     rng: np.random.Generator,
+    columns: Columns | None = None,
 ) -> np.ndarray:
-    """(B, V) log-probs -> (B,) next token ids: the processors, then argmax or the warpers and one draw per row."""
-    scores = apply_processors(scores, params, seen, n_generated)
+    """(B, W) log-probs -> (B,) next token ids: the processors, then argmax or the warpers and one draw per row.
+    W is V, or a trimmed head's K columns given by `columns`; the ids are full ids either way."""
+    scores = apply_processors(scores, params, seen, n_generated, columns)
     if params.greedy:
-        return scores.argmax(-1)
+        return greedy_tokens(scores, columns)
     out = np.empty(len(scores), dtype=np.int64)
     for b, row in enumerate(scores):
-        ids, probs = warp_row(row, params)  # the warpers run only when sampling, as in transformers
-        out[b] = ids[sample_index(probs, rng)]
+        out[b] = sample_row(row, params, rng, columns)  # the warpers run only when sampling, as in transformers
     return out

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.columns import forward_columns, lm_columns
 from gpt2edge.runtime.lm import OrtLM, load_graph
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.session import create_session, quiet_run_options, run_errors
@@ -219,16 +220,18 @@ class Scorer:
             # OrtLM, or StaticLM on a static-shape export
             self._lm = load_graph(self.folder, device=self.device, threads=self.threads).new_lm()
         lm = self._lm
+        columns = lm_columns(lm)  # a trimmed head: read each target's own column (_check_kept: all are kept)
+        col = (lambda i: i) if columns is None else (lambda i: int(columns.col[i]))
         lm.start(1, w.end - w.begin)
         ctx = ids[w.begin : w.first_target]  # (n_ctx,) tokens whose next-token log-probs are not needed
         n_ctx = len(ctx)
         mask = np.ones((1, w.end - w.begin), dtype=np.int64)
-        lp = lm.forward(np.asarray([ctx], np.int64), mask[:, :n_ctx], np.arange(n_ctx, dtype=np.int64)[None])
+        lp = forward_columns(lm, np.asarray([ctx], np.int64), mask[:, :n_ctx], np.arange(n_ctx, dtype=np.int64)[None])
         out = []
         for t in range(w.first_target, w.end):
-            out.append(float(lp[0, ids[t]]))
+            out.append(float(lp[0, col(ids[t])]))
             if t + 1 == w.end:
                 break
             pos = t - w.begin
-            lp = lm.forward(np.array([[ids[t]]], np.int64), mask[:, : pos + 1], np.array([[pos]], np.int64))
+            lp = forward_columns(lm, np.array([[ids[t]]], np.int64), mask[:, : pos + 1], np.array([[pos]], np.int64))
         return out
