@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from gpt2edge.errors import GenerationError
 from gpt2edge.runtime import Generator
 
 EXPORTS = ["tiny_export", "tiny_export_shared"]  # the concat and the shared-cache graph
@@ -125,3 +126,63 @@ def test_abandoned_stream_gives_its_context_back(tiny_export):
         assert g.generate("The river", **kw).token_ids == ref.token_ids
     assert g._pool._created == before == 2
     assert g.lm.cache.allocations == 1  # sequential calls use (and reuse) the primary context
+
+
+CAPPED = textwrap.dedent(
+    """
+    import json, sys, threading
+    from gpt2edge.runtime import Generator
+
+    g = Generator(sys.argv[1], max_contexts=2)
+    kw = dict(max_new_tokens=12, do_sample=False, ignore_eos=True)
+    prompts = ["The river", "Visitors walk", "The city at night", "Children learned", "Students arrive"]
+    expected = [g.generate(p, **kw).text for p in prompts]
+    seen_live, got = [], {}
+    start = threading.Barrier(len(prompts))
+
+    def worker(i):
+        start.wait()
+        got[i] = g.generate(prompts[i], callback=lambda step: seen_live.append(g._pool.live), **kw).text
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps({"max_live": max(seen_live), "same": [got[i] == expected[i] for i in range(len(prompts))]}))
+    """
+)
+
+
+@pytest.mark.parametrize("export", EXPORTS)
+def test_max_contexts_caps_the_caches_and_keeps_every_result(request, export):
+    """Five threads at once on max_contexts=2: never more than two contexts (KV caches) exist, the others wait,
+    and every call still gets its sequential tokens."""
+    folder = request.getfixturevalue(export)
+    run = subprocess.run([sys.executable, "-c", CAPPED, str(folder)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["max_live"] <= 2 and all(out["same"]), out
+
+
+def test_a_call_beyond_the_cap_waits_then_says_why(tiny_export):
+    """One thread holding the only context in an open stream: a second call cannot get one; with a wait it
+    raises a one-line GenerationError instead of hanging, and works again once the stream is closed."""
+    g = Generator(tiny_export, max_contexts=1, context_wait_s=0.2)
+    stream = g.stream("The river", max_new_tokens=20, ignore_eos=True, do_sample=False)
+    next(stream)  # the stream now holds the context
+    with pytest.raises(GenerationError, match="max_contexts"):
+        g.generate("The city", max_new_tokens=3)
+    stream.close()
+    assert g.generate("The city", max_new_tokens=3, do_sample=False).token_ids
+    assert g._pool.live == 1
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(max_contexts=0), dict(max_contexts=True), dict(max_contexts=1.5), dict(context_wait_s=-1),
+           dict(context_wait_s=float("nan")), dict(context_wait_s=float("inf")), dict(context_wait_s="1")],
+)  # fmt: skip
+def test_bad_caps_are_refused_before_loading(kw, tmp_path):
+    """Checked before the folder is even read: an empty folder would otherwise be the error."""
+    with pytest.raises(GenerationError, match="max_contexts|context_wait_s"):
+        Generator(tmp_path, **kw)

@@ -23,9 +23,10 @@ from gpt2edge.runtime.beam import (
 from gpt2edge.runtime.conversation import ContextOverflow, Conversation
 from gpt2edge.runtime.expand import iter_generate_expanded
 from gpt2edge.runtime.generate import GenerationState, Step, iter_generate, length_error
-from gpt2edge.runtime.lm import LMPool, load_graph
+from gpt2edge.runtime.lm import load_graph
 from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob, check_logprobs
 from gpt2edge.runtime.model_folder import ModelFolder
+from gpt2edge.runtime.pool import LMPool, check_max_contexts
 from gpt2edge.runtime.sampling import SamplingParams
 from gpt2edge.runtime.speculative import SpecState, Speculator
 from gpt2edge.runtime.tokenizer import TextTokenizer, check_unicode
@@ -106,9 +107,10 @@ class Generator:
     Concurrency: one Generator may serve generate() and stream() calls from several threads at once, and
     several streams may be interleaved in one thread; each call gives exactly the tokens it gives alone. The
     ONNX Runtime session is shared (its run is thread-safe); everything a generation mutates (KV cache, IO
-    binding, bound buffers) is a per-call OrtLM from a small pool (gpt2edge.runtime.lm.LMPool): a call takes
+    binding, bound buffers) is a per-call OrtLM from a small pool (gpt2edge.runtime.pool.LMPool): a call takes
     an idle one, or a new one when all are busy, and gives it back when it ends (a stream: when it is
-    exhausted or closed). Sequential calls reuse `self.lm`. Concurrent calls therefore hold one KV cache each.
+    exhausted or closed). Sequential calls reuse `self.lm`. Concurrent calls therefore hold one KV cache each
+    (max_contexts caps how many; calls beyond it wait).
     A lock around one shared context was the alternative: it cannot serve interleaved streams (they would
     deadlock or need an error), and it serialises threads that could overlap (see the README for figures).
     """
@@ -123,15 +125,22 @@ class Generator:
         draft: str | Path | None = None,
         prompt_lookup: int | None = None,
         draft_tokens: int | None = None,
+        max_contexts: int | None = None,
+        context_wait_s: float | None = None,
     ) -> None:
         """draft / prompt_lookup / draft_tokens: speculative decoding (gpt2edge.runtime.speculative): a draft
         model folder with the target's tokenizer, or the longest n-gram prompt lookup matches; draft_tokens
-        fixes k (default: adaptive). Output as without them: the same greedy tokens, the same distribution."""
+        fixes k (default: adaptive). Output as without them: the same greedy tokens, the same distribution.
+
+        max_contexts: at most this many concurrent generate()/stream() calls hold a KV cache at once (default:
+        no cap); a call beyond it waits for one to end, at most context_wait_s seconds (None: as long as it
+        takes), then raises GenerationError. session() conversations hold their own context, outside the cap."""
+        check_max_contexts(max_contexts, context_wait_s)  # before the model loads
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
         # a draft model alternates with this graph token by token: idle threads must not spin (session.py)
         self.graph = load_graph(self.folder, device=device, threads=threads, spin=draft is None)
-        self._pool = LMPool(self.graph, io_binding=io_binding)
+        self._pool = LMPool(self.graph, io_binding=io_binding, max_contexts=max_contexts, wait_s=context_wait_s)
         self.lm = self._pool.primary  # the context sequential calls use
         self.speculator = None
         if draft is not None or prompt_lookup is not None or draft_tokens is not None:

@@ -1,15 +1,11 @@
 """The exported graph as a language model: OrtGraph (the loaded session, shared by threads) and OrtLM (one
-generation's KV cache and IO binding on it), plus LMPool, which hands each call an OrtLM of its own.
+generation's KV cache and IO binding on it); gpt2edge.runtime.pool.LMPool hands each call an OrtLM of its own.
 
 Thread safety: ONNX Runtime's InferenceSession.run is thread-safe, an IOBinding and a KV cache are not. So
 everything mutable lives in OrtLM, and concurrent generations each use their own OrtLM on one OrtGraph.
 """
 
 from __future__ import annotations
-
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import onnxruntime as ort
@@ -381,47 +377,3 @@ def _rows(lp: np.ndarray, keep: int | None) -> np.ndarray:
     if keep is None:
         return lp if lp.ndim == 2 else lp[:, -1]
     return lp[:, -keep:]
-
-
-class LMPool:
-    """OrtLMs on one shared OrtGraph, one per concurrent call: `with pool.lease() as lm:` takes the
-    lowest-numbered idle one (a new one when all are busy) and gives it back at the end.
-
-    Sequential calls therefore always get `primary`, and reuse its cache. After a burst of concurrent calls at
-    most `keep_idle` OrtLMs (each holding its last KV cache) stay for reuse; the others are dropped.
-    """
-
-    def __init__(
-        self,
-        graph: OrtGraph | StaticGraph | None,
-        io_binding: bool = True,
-        keep_idle: int = 4,
-        factory: Callable | None = None,
-    ) -> None:
-        self.graph = graph
-        self.io_binding = io_binding
-        self.keep_idle = max(1, keep_idle)
-        # what makes one context: the graph's own kind (OrtLM, or StaticLM on a static graph) by default
-        self._factory = factory or (lambda: self.graph.new_lm(self.io_binding))
-        self._lock = threading.Lock()  # guards the two lists below; held for list operations only
-        self._created = 0
-        self._idle: list[tuple[int, OrtLM]] = []  # (creation number, lm), sorted
-        self._idle.append(self._new())
-        self.primary = self._idle[0][1]
-
-    def _new(self) -> tuple[int, OrtLM]:
-        """(creation number, a fresh OrtLM); call with the lock held."""
-        self._created += 1
-        return self._created - 1, self._factory()
-
-    @contextmanager
-    def lease(self) -> Iterator[OrtLM]:
-        with self._lock:
-            n, lm = self._idle.pop(0) if self._idle else self._new()
-        try:
-            yield lm
-        finally:
-            with self._lock:
-                self._idle.append((n, lm))
-                self._idle.sort(key=lambda e: e[0])
-                del self._idle[self.keep_idle :]

@@ -25,8 +25,9 @@ import numpy as np
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.runtime.drafters import Draft, ModelDrafter, PromptLookupDrafter, check_lookup, draft_warnings
 from gpt2edge.runtime.generate import GenerationState, Step, length_error
-from gpt2edge.runtime.lm import LMPool, OrtGraph, OrtLM
+from gpt2edge.runtime.lm import OrtGraph, OrtLM
 from gpt2edge.runtime.model_folder import ModelFolder
+from gpt2edge.runtime.pool import LMPool
 from gpt2edge.runtime.sampling import SamplingParams
 from gpt2edge.runtime.spec_cache import CachedSequence
 from gpt2edge.runtime.spec_rules import check_params, greedy_token, target_dist, verify_greedy, verify_sampled
