@@ -18,10 +18,18 @@ REQUIRED: Any = object()  # the default of a field that must be present
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def _shown(value: Any) -> str:
+def _shown(value: Any, limit: int = 40) -> str:
     """A value as the error shows it: short, on one line."""
     text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown_path(rel: Any, limit: int = 80, quoted: bool = False) -> str:
+    """A path a manifest names, as an error names it: as it is when short and printable (quoted: its repr),
+    else its repr cut short (a hostile manifest may name a path of megabytes, or one with a newline)."""
+    if not quoted and isinstance(rel, str) and len(rel) <= limit and rel.isprintable():
+        return rel
+    return _shown(rel, limit)
 
 
 class Fields:
