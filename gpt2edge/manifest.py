@@ -18,7 +18,15 @@ from typing import Any
 
 from gpt2edge.errors import ChecksumError, ModelFolderError
 from gpt2edge.manifest_fields import shown_path
-from gpt2edge.manifest_records import FORMAT, FORMAT_VERSION, MANIFEST_NAME, GraphInfo, Manifest, check_relpath
+from gpt2edge.manifest_records import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    GraphInfo,
+    Manifest,
+    check_relpath,
+)
 
 # names whose home is now gpt2edge.manifest_records, still imported from here by the tests and gpt2edge.runtime.lm
 from gpt2edge.manifest_records import HEAD_MODES as HEAD_MODES
@@ -102,9 +110,16 @@ def load_manifest(folder: Path) -> Manifest:
         )
     resolve_inside(folder, MANIFEST_NAME)
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(MAX_MANIFEST_BYTES + 1) if size <= MAX_MANIFEST_BYTES else b""
     except OSError as e:
         raise ModelFolderError(f"{path} cannot be read ({_reason(e)}); re-export the model.") from e
+    if max(size, len(raw)) > MAX_MANIFEST_BYTES:
+        raise ModelFolderError(
+            f"{path} is {size / 2**20:.1f} MB; a gpt2edge manifest is a few kB (at most "
+            f"{MAX_MANIFEST_BYTES >> 20} MB read): re-export the model."
+        )
     try:
         data = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys(path))
     except (ValueError, RecursionError) as e:  # not UTF-8, bad JSON, an int of > 4300 digits; nested too deep

@@ -19,6 +19,8 @@ from gpt2edge.errors import ModelFolderError
 from gpt2edge.manifest_fields import Fields, check_io, check_records, read_digest, shown_path
 
 MANIFEST_NAME = "manifest.json"
+# a manifest is a few kB; past this it is refused unread (a hostile folder could hold a 10 GB sparse file)
+MAX_MANIFEST_BYTES = 16 << 20
 FORMAT = "gpt2edge-export"
 FORMAT_VERSION = 1
 GENERATION_CONFIG = "generation_config.json"

@@ -107,3 +107,46 @@ def test_keep_ids_that_are_not_ids_are_one_short_error_line(tiny_export, tmp_pat
     args = ["trim-vocab", str(tiny_export), "-o", str(tmp_path / "out"), "--keep-ids", str(keep), "--no-report"]
     refused_in_one_line(CliRunner().invoke(main, args), "keep.txt")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_manifest_past_the_size_cap_is_refused_unread(tiny_export, tmp_path):
+    """A manifest is a few kB; one of 16 MiB and more (a 10 GB sparse file would be read whole) is refused."""
+    from gpt2edge.manifest_records import MAX_MANIFEST_BYTES
+
+    folder = hostile(tiny_export, tmp_path, lambda text: text + " " * MAX_MANIFEST_BYTES)  # valid JSON, too big
+    line = refused_in_one_line(CliRunner().invoke(main, ["generate", folder, "-p", "a", "-n", "1"]), "MB")
+    assert "manifest.json" in line
+    with open(tmp_path / "m" / MANIFEST_NAME, "r+b") as f:
+        f.truncate(8 << 30)  # sparse: no disk used
+    refused_in_one_line(CliRunner().invoke(main, ["generate", folder, "-p", "a", "-n", "1"]), "8192.0 MB")
+
+
+def test_output_folder_checks_do_not_read_a_huge_manifest(tiny_export, tmp_path, monkeypatch):
+    """`--force` asks whether OUT is an export folder: a huge manifest.json there is not one, and is not read."""
+    import pathlib
+
+    from gpt2edge.folder_checks import is_export_folder
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_export, out)
+    with open(out / MANIFEST_NAME, "r+b") as f:
+        f.truncate(8 << 30)
+
+    def unread(*a, **k):
+        raise AssertionError("read a huge manifest")
+
+    monkeypatch.setattr(pathlib.Path, "read_text", unread)
+    monkeypatch.setattr(pathlib.Path, "read_bytes", unread)
+    assert is_export_folder(out) is False
+
+
+@pytest.mark.parametrize("source", [[1], "x", {"model": ["a"]}, {"model": "x" * 100_000}])
+def test_export_of_an_export_folder_with_a_junk_source_is_one_error_line(tiny_export, tmp_path, source):
+    """-m given an export folder is refused naming where it came from: a junk `source` record is no traceback."""
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    shutil.copy(tiny_export / "config.json", folder)
+    (folder / MANIFEST_NAME).write_text(json.dumps({"format": "gpt2edge-export", "source": source}))
+    out = tmp_path / "out"
+    refused_in_one_line(CliRunner().invoke(main, ["export", "-m", str(folder), str(out)]), "already a gpt2edge export")
+    assert not out.exists()
