@@ -150,3 +150,40 @@ def test_export_of_an_export_folder_with_a_junk_source_is_one_error_line(tiny_ex
     out = tmp_path / "out"
     refused_in_one_line(CliRunner().invoke(main, ["export", "-m", str(folder), str(out)]), "already a gpt2edge export")
     assert not out.exists()
+
+
+def junk_record(section: str, key: str, value):
+    def edit(text: str) -> str:
+        data = json.loads(text)
+        data.setdefault(section, {})
+        if section == "source":
+            data[section][key] = value
+        else:
+            data[section]["parent"] = {key: value}
+        return json.dumps(data)
+
+    return edit
+
+
+@pytest.mark.parametrize("section, key", [("source", "model"), ("source", "path"), ("quantization", "path")])
+def test_a_100_kb_string_in_a_record_read_raw_is_named_at_load(tiny_export, tmp_path, section, key):
+    """source and the parent records are read raw (bench --vs-torch loads source.model, refusals print the
+    parent's path): a path longer than any the OS takes is refused at load, naming the field."""
+    folder = hostile(tiny_export, tmp_path, junk_record(section, key, "p" * 100_000))
+    field = f"{section}.{key}" if section == "source" else f"{section}.parent.{key}"
+    refused_in_one_line(CliRunner().invoke(main, ["generate", folder, "-p", "a", "-n", "1"]), field, "4096")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "{long}", "-p", "a"],
+        ["quantize", "{model}", "-o", "{tmp}/{long}", "--mode", "int8"],
+        ["export", "-m", "{long}", "{tmp}/out"],
+        ["parity", "{model}", "-m", "{long}"],
+    ],
+)
+def test_a_name_the_os_refuses_is_one_error_line(tiny_export, tmp_path, args):
+    """A path component over the OS's 255 bytes (ENAMETOOLONG) in any argument: one short line, no traceback."""
+    args = [a.format(long="p" * 300, model=tiny_export, tmp=tmp_path) for a in args]
+    refused_in_one_line(CliRunner().invoke(main, args), "too long")
