@@ -83,6 +83,7 @@ RECIPES = {
     "int4 4-bit symmetric head block 16": dict(mode="int4", head_bits=4, symmetric=True, block_size=16),
     "int8 default": dict(mode="int8"),
     "int4 fp32 head": dict(mode="int4", keep_head_fp32=True),
+    "int8 float compute": dict(mode="int8", accuracy_level=0),
 }
 
 
@@ -93,6 +94,7 @@ def test_the_recorded_recipe_is_what_the_graph_holds(tiny_export, tmp_path, name
     recipe = assert_recipe_is_the_graph(tmp_path / "q")
     if recipe["head_bits"] == 8:
         assert recipe["head_block_size"] == 64
+    assert len(Generator(tmp_path / "q").generate("The", max_new_tokens=3, ignore_eos=True).token_ids) == 3
 
 
 @pytest.mark.parametrize("name", ["int4 default", "int4 4-bit head", "int8 default"])
