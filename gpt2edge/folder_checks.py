@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gpt2edge.errors import OutputExistsError, OutputFolderError
 from gpt2edge.folder_temp import make_temp
-from gpt2edge.manifest_records import FORMAT, MANIFEST_NAME
+from gpt2edge.manifest_records import FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _NO_WRITE = {errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "not permitted"}
@@ -24,8 +24,11 @@ _NO_WRITE = {errno.EROFS: "read-only file system", errno.EACCES: "permission den
 
 def is_export_folder(path: Path) -> bool:
     """True for a folder that holds a gpt2edge manifest: what `export/quantize --force` may replace."""
+    manifest = Path(path) / MANIFEST_NAME
     try:
-        data = json.loads((Path(path) / MANIFEST_NAME).read_text())
+        if manifest.stat().st_size > MAX_MANIFEST_BYTES:  # not one gpt2edge wrote; a huge file is not read
+            return False
+        data = json.loads(manifest.read_text())
     except (OSError, ValueError, RecursionError):
         return False
     return isinstance(data, dict) and data.get("format") == FORMAT

@@ -17,7 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from gpt2edge.errors import ChecksumError, ModelFolderError
-from gpt2edge.manifest_records import FORMAT, FORMAT_VERSION, MANIFEST_NAME, GraphInfo, Manifest, check_relpath
+from gpt2edge.manifest_fields import shown_path
+from gpt2edge.manifest_records import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    GraphInfo,
+    Manifest,
+    check_relpath,
+)
 
 # names whose home is now gpt2edge.manifest_records, still imported from here by the tests and gpt2edge.runtime.lm
 from gpt2edge.manifest_records import HEAD_MODES as HEAD_MODES
@@ -31,7 +40,9 @@ def resolve_inside(folder: Path, rel: str) -> Path:
     root = Path(os.path.realpath(folder))
     target = Path(os.path.realpath(root / check_relpath(rel, str(folder))))
     if target == root or not target.is_relative_to(root):
-        raise ModelFolderError(f"{folder}: {rel} points outside the folder (a symlink?); re-export the model.")
+        raise ModelFolderError(
+            f"{folder}: {shown_path(rel)} points outside the folder (a symlink?); re-export the model."
+        )
     return target
 
 
@@ -99,10 +110,46 @@ def load_manifest(folder: Path) -> Manifest:
         )
     resolve_inside(folder, MANIFEST_NAME)
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(MAX_MANIFEST_BYTES + 1) if size <= MAX_MANIFEST_BYTES else b""
+    except OSError as e:
+        raise ModelFolderError(f"{path} cannot be read ({_reason(e)}); re-export the model.") from e
+    if max(size, len(raw)) > MAX_MANIFEST_BYTES:
+        raise ModelFolderError(
+            f"{path} is {size / 2**20:.1f} MB; a gpt2edge manifest is a few kB (at most "
+            f"{MAX_MANIFEST_BYTES >> 20} MB read): re-export the model."
+        )
+    try:
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys(path))
+    except (ValueError, RecursionError) as e:  # not UTF-8, bad JSON, an int of > 4300 digits; nested too deep
         raise ModelFolderError(f"{path} is not valid JSON ({e}); re-export the model.") from e
     return Manifest.from_json(data, str(path))
+
+
+def _unique_keys(path: Path):
+    """json.loads' object_pairs_hook: a key given twice in one object is refused (json would keep the last one
+    silently, another reader the first: the manifest would mean two things)."""
+
+    def pairs_to_dict(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ModelFolderError(
+                    f"{path}: the key {shown_path(key, quoted=True)} is given twice in one object; re-export the model."
+                )
+            out[key] = value
+        return out
+
+    return pairs_to_dict
+
+
+def _reason(e: Exception) -> str:
+    return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+
+
+def _unreadable(folder: Path, rel: str, e: OSError) -> ModelFolderError:
+    return ModelFolderError(f"{folder}: {shown_path(rel)} cannot be read ({_reason(e)}); re-export the model.")
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -120,8 +167,12 @@ def graph_files(manifest: dict[str, Any] | Manifest) -> list[str]:
 def check_present(folder: Path, names: tuple[str, ...] | list[str]) -> None:
     """Each named file is a regular file inside the folder (what --no-verify still checks)."""
     for rel in names:
-        if not resolve_inside(folder, rel).is_file():
-            raise ModelFolderError(f"{folder} is incomplete: {rel} is listed in the manifest but missing.")
+        try:
+            present = resolve_inside(folder, rel).is_file()
+        except OSError as e:  # e.g. a name longer than the OS allows
+            raise _unreadable(folder, rel, e) from e
+        if not present:
+            raise ModelFolderError(f"{folder} is incomplete: {shown_path(rel)} is listed in the manifest but missing.")
 
 
 def verify_files(folder: Path, manifest: dict[str, Any] | Manifest) -> None:
@@ -132,7 +183,11 @@ def verify_files(folder: Path, manifest: dict[str, Any] | Manifest) -> None:
     for rel, expected in manifest.files.items():
         check_present(folder, [rel])
         p = resolve_inside(folder, rel)
-        if file_digest(p) != asdict(expected):
+        try:
+            digest = file_digest(p)
+        except OSError as e:  # unreadable (permissions, I/O error)
+            raise _unreadable(folder, rel, e) from e
+        if digest != asdict(expected):
             # no flag named here: only some commands can skip the check (the CLI adds --no-verify where it can)
             raise ChecksumError(
                 f"{folder / rel} does not match its manifest checksum (modified or corrupted); re-export the model."

@@ -16,12 +16,21 @@ from gpt2edge.errors import ModelFolderError
 
 REQUIRED: Any = object()  # the default of a field that must be present
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+PATH_MAX = 4096  # Linux's longest path: the paths and hub ids the records name (printed, or opened) are shorter
 
 
-def _shown(value: Any) -> str:
+def _shown(value: Any, limit: int = 40) -> str:
     """A value as the error shows it: short, on one line."""
     text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown_path(rel: Any, limit: int = 80, quoted: bool = False) -> str:
+    """A path a manifest names, as an error names it: as it is when short and printable (quoted: its repr),
+    else its repr cut short (a hostile manifest may name a path of megabytes, or one with a newline)."""
+    if not quoted and isinstance(rel, str) and len(rel) <= limit and rel.isprintable():
+        return rel
+    return _shown(rel, limit)
 
 
 class Fields:
@@ -71,13 +80,23 @@ class Fields:
             self.fail(key, "a positive number", v)
         return float(v)
 
-    def text(self, key: str, default: Any = REQUIRED, *, choices: Sequence[str] = (), nullable: bool = False) -> Any:
-        """A non-empty string, one of `choices` when given."""
+    def text(
+        self,
+        key: str,
+        default: Any = REQUIRED,
+        *,
+        choices: Sequence[str] = (),
+        nullable: bool = False,
+        max_len: int | None = None,
+    ) -> Any:
+        """A non-empty string (of at most max_len characters), one of `choices` when given."""
         must = f"one of {', '.join(map(repr, choices))}" if choices else "a non-empty string"
+        if max_len is not None:
+            must += f" of at most {max_len} characters"
         v, absent = self._get(key, default, must)
         if absent or (v is None and nullable):
             return v
-        if not isinstance(v, str) or not v or (choices and v not in choices):
+        if not isinstance(v, str) or not v or (choices and v not in choices) or (max_len and len(v) > max_len):
             self.fail(key, must, v)
         return v
 
@@ -134,9 +153,9 @@ def check_records(top: Fields) -> None:
     source = top.record("source", None)
     if source is not None:
         for key in ("model", "path", "kind", "revision", "commit_hash", "tokenizer", "transformers"):
-            source.text(key, None, nullable=True)
+            source.text(key, None, nullable=True, max_len=PATH_MAX)
     for key in ("quantization", "conversion", "trim"):
         rec = top.record(key, None)
         parent = rec.record("parent", None) if rec is not None else None
         if parent is not None:
-            parent.text("path", None)
+            parent.text("path", None, max_len=PATH_MAX)

@@ -16,9 +16,11 @@ from types import MappingProxyType
 from typing import Any
 
 from gpt2edge.errors import ModelFolderError
-from gpt2edge.manifest_fields import Fields, check_io, check_records, read_digest
+from gpt2edge.manifest_fields import Fields, check_io, check_records, read_digest, shown_path
 
 MANIFEST_NAME = "manifest.json"
+# a manifest is a few kB; past this it is refused unread (a hostile folder could hold a 10 GB sparse file)
+MAX_MANIFEST_BYTES = 16 << 20
 FORMAT = "gpt2edge-export"
 FORMAT_VERSION = 1
 GENERATION_CONFIG = "generation_config.json"
@@ -57,8 +59,8 @@ def check_relpath(value: Any, where: str, field: str = "") -> str:
     if bad:
         named = f"{field}: " if field else ""
         raise ModelFolderError(
-            f"{where}: {named}the path {value!r} {bad}; a model folder names only files inside it (re-export the "
-            "model)."
+            f"{where}: {named}the path {shown_path(value, quoted=True)} {bad}; a model folder names only files inside "
+            "it (re-export the model)."
         )
     return value
 
@@ -259,14 +261,18 @@ class Manifest:
         # every file that is loaded must be checksummed, or --verify would not cover it
         for rel in (*graph.files, tokenizer):
             if rel not in files:
-                raise ModelFolderError(f"{where}: {rel} is loaded but not listed in 'files'; re-export the model.")
+                raise ModelFolderError(
+                    f"{where}: {shown_path(rel)} is loaded but not listed in 'files'; re-export the model."
+                )
         dims = ModelDims.from_json(top.record("dims").data, where)
         check_records(top)
         if graph.static is not None and graph.static.capacity > dims.n_positions:
             raise ModelFolderError(f"{where}: graph.static.capacity exceeds dims.n_positions; re-export the model.")
         vocab = VocabInfo.from_json(data.get("vocab"), where, dims.vocab_size)
         if vocab is not None and vocab.kept_ids_file not in files:
-            raise ModelFolderError(f"{where}: {vocab.kept_ids_file} is loaded but not listed in 'files'; trim again.")
+            raise ModelFolderError(
+                f"{where}: {shown_path(vocab.kept_ids_file)} is loaded but not listed in 'files'; trim again."
+            )
         return cls(version, dims, graph, tokenizer, MappingProxyType(files), MappingProxyType(data), vocab)
 
     def loaded_files(self) -> tuple[str, ...]:

@@ -72,3 +72,17 @@ def test_several_greedy_sequences_error_names_the_cli_flag_that_fixes_it(tiny_ex
     out = CliRunner().invoke(main, args)
     assert out.exit_code == 1 and "--do-sample" in out.output and "--temperature" not in out.output, out.output
     assert CliRunner().invoke(main, [*args, "--do-sample"]).exit_code == 0
+
+
+@pytest.mark.parametrize("host", ["", "  "])
+def test_serve_refuses_an_empty_host(tiny_export, host, monkeypatch):
+    """An empty --host (e.g. an unset "$HOST") bound every interface: the server was exposed, not on loopback."""
+    import gpt2edge.serve.server as server
+
+    def started(*args, **kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(server, "serve_forever", started)
+    out = CliRunner().invoke(main, ["serve", str(tiny_export), "--host", host, "--port", "0"])
+    assert out.exit_code == 2 and "--host" in out.output and "0.0.0.0" in out.output, out.output
+    assert "Traceback" not in out.output

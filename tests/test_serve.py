@@ -796,3 +796,20 @@ def test_cli_serve_names_a_missing_extra_like_every_command(tiny_export, monkeyp
         f"error: gpt2edge {feature} needs the {extra} extra ({missing} not installed): "
         f"pip install 'gpt2edge[{extra}]'.\n"
     )
+
+
+def test_a_folders_min_p_does_not_leak_into_sampled_requests(tiny_export, ref, tmp_path):
+    """OpenAI has no min_p: a sampled request is the runtime's sampling with only the request's temperature and
+    top_p, whatever generation_config.json says (min_p cannot be passed as 'off', so the server must drop it)."""
+    folder = tmp_path / "min_p"
+    shutil.copytree(tiny_export, folder)
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "min_p": 0.9, "do_sample": True}))
+    write_manifest(folder, read_manifest(folder))
+    body = {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 1.5, "top_p": 1.0, "ignore_eos": True}
+    with running(folder, max_batch=8, batch_wait_ms=10) as (url, _):
+        texts = {s: post(url, dict(body, seed=s)).json()["choices"][0]["text"] for s in range(3)}
+    for s, text in texts.items():
+        want = ref.generate(PROMPTS[0], max_new_tokens=24, seed=s, ignore_eos=True,
+                            **GREEDY | dict(do_sample=True, temperature=1.5, top_p=1.0)).text  # fmt: skip
+        assert text == want, f"seed {s}: the folder's min_p changed the sampled text"

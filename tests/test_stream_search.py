@@ -133,3 +133,23 @@ def test_interactive_says_it_decodes_one_sequence(beams):
     assert quiet.exit_code == 0 and notes(quiet) == [], quiet.output
     refused = cli("generate", beams, "-i", "-n", "3", "--num-beams", "2", input="The river\n")
     assert refused.exit_code == 2 and "--num-beams" in refused.output
+
+
+@pytest.mark.parametrize(
+    "extra", [["--num-return-sequences", "1"], ["--length-penalty", "2"], ["--early-stopping", "true"]]
+)
+def test_cli_notes_the_folders_beams_when_the_flags_given_leave_them_on(beams, extra):
+    """A search flag that does not itself ask for beams (a count of 1, a length penalty) leaves the folder's beam
+    search on, which still stops the default streaming: the note says so, as without the flag."""
+    out = cli("generate", beams, "-p", "The river", "-n", "4", *extra)
+    assert out.exit_code == 0, out.output
+    (note,) = notes(out)
+    assert "num_beams=4" in note and "not streamed" in note and "--num-beams 1" in note, note
+
+
+def test_cli_notes_the_folders_several_sequences_over_num_beams_1(samples):
+    out = cli("generate", samples, "-p", "The river", "-n", "3", "--num-beams", "1")
+    assert out.exit_code == 0, out.output
+    (note,) = notes(out)
+    assert "num_return_sequences=2" in note and "num_beams" not in note and "--num-return-sequences 1" in note, note
+    assert out.stdout.count("The river") == 2  # the folder's two samples, printed once complete

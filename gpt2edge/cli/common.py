@@ -26,6 +26,9 @@ def friendly_errors(fn):
         except Gpt2EdgeError as e:
             click.echo(f"error: {e}{_skip_hint(e)}", err=True)
             sys.exit(1)
+        except OSError as e:  # what the OS refused and no check foresaw (e.g. a file name over 255 bytes)
+            click.echo(f"error: {_os_error(e)}", err=True)
+            sys.exit(1)
         except MemoryError as e:  # e.g. numpy cannot allocate the KV cache of 10^7 beams
             click.echo(
                 f"error: out of memory ({e or 'allocation failed'}); ask for less (fewer prompts, beams or samples, "
@@ -35,6 +38,13 @@ def friendly_errors(fn):
             sys.exit(1)
 
     return wrapper
+
+
+def _os_error(e: OSError) -> str:
+    """One line: the OS's reason and the file(s) it names, each cut short (a name may be kilobytes long)."""
+    names = [n for n in (e.filename, e.filename2) if n is not None]
+    shown = [r if len(r := repr(str(n))) <= 80 else r[:77] + "..." for n in names]
+    return f"{e.strerror or e}: {' -> '.join(shown)}" if shown else str(e.strerror or e)
 
 
 def _skip_hint(e: Gpt2EdgeError) -> str:

@@ -124,10 +124,11 @@ def generate(
         )
         stream = not (no_stream or as_json)
         # generation_config.json may ask for beams or several sequences too: Generator.generate follows it
-        if search_params(gen.defaults, **search).expands:
-            if stream and all(v is None for v in search.values()):  # the folder, not a flag, turned streaming off
-                note_folder_search(search_params(gen.defaults), "each sequence prints once complete, not streamed "
-                                   "(pass {flags} to stream one sequence).")  # fmt: skip
+        merged = search_params(gen.defaults, **search)
+        if merged.expands:
+            if stream and not search_params({}, **search).expands:  # the folder, not a flag, turned streaming off
+                note_folder_search(merged, "each sequence prints once complete, not streamed (pass {flags} to stream "
+                                   "one sequence).")  # fmt: skip
             interrupted = generate_search(gen, texts, {**kwargs, **search}, as_json, sequential)
         elif sequential or len(texts) == 1:  # one sequence per prompt, said over the folder's num_beams
             interrupted = generate_each(gen, texts, {**kwargs, **ONE_SEQUENCE}, stream, as_json)

@@ -9,9 +9,22 @@ import click
 from gpt2edge.cli.common import DEVICES, THREADS, THREADS_HELP, finite_range, friendly_errors, main
 
 
+def _host(ctx, param, value: str) -> str:
+    """An empty address binds every interface: refused, so that an unset variable never exposes the server."""
+    if not value.strip():
+        raise click.BadParameter("is empty; give an address: 127.0.0.1 (this machine) or 0.0.0.0 (every interface).")
+    return value
+
+
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; 0.0.0.0 exposes the server.")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    callback=_host,
+    help="Address to bind; 0.0.0.0 exposes the server.",
+)
 @click.option(
     "--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port (0: any free port, printed)."
 )

@@ -17,7 +17,7 @@ from typing import Any
 from gpt2edge.errors import CheckpointError
 from gpt2edge.export.hub import cache_only
 from gpt2edge.export.loading_check import check_loading_info
-from gpt2edge.manifest_records import FORMAT, MANIFEST_NAME
+from gpt2edge.manifest_records import FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -73,12 +73,15 @@ def _check_local_folder(path: Path) -> None:
 def _refuse_export_folder(path: Path) -> None:
     """An export folder has a config.json too; say what it is instead of 'has no weights'."""
     try:
+        if (path / MANIFEST_NAME).stat().st_size > MAX_MANIFEST_BYTES:
+            return  # not one gpt2edge wrote, and not read
         manifest = json.loads((path / MANIFEST_NAME).read_text())
     except (OSError, ValueError, RecursionError):
         return
     if isinstance(manifest, dict) and manifest.get("format") == FORMAT:
-        origin = (manifest.get("source") or {}).get("model")
-        came_from = f" (exported from {origin})" if origin else ""
+        source = manifest.get("source")
+        origin = source.get("model") if isinstance(source, dict) else None
+        came_from = f" (exported from {origin})" if isinstance(origin, str) and 0 < len(origin) <= 200 else ""
         raise CheckpointError(
             f"{path} is already a gpt2edge export{came_from}; -m takes the Hugging Face checkpoint it came from. "
             "To make a smaller variant of it, use `gpt2edge quantize`."

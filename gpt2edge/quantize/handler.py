@@ -7,7 +7,7 @@ and configs, measures the quality report against the parent, and writes the mani
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,8 @@ class Recipe:
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
     head_bits: int | None = None  # None: head/embedding stay fp32
     symmetric: bool = False  # no zero points: code * scale (every table, the head's too)
+    head_block: int | None = None  # the tied table's block once fitted to n_embd (None: the asked one)
+    position_block: int | None = None  # the position table's block once fitted to n_embd
 
     @property
     def weight_bits(self) -> int | None:
@@ -59,10 +61,24 @@ class Recipe:
 
     @property
     def head_block_size(self) -> int | None:
-        """An 8-bit head uses its mode's head block (scales cost 4 bytes per block); a 4-bit head the main one."""
+        """An 8-bit head uses its mode's head block (scales cost 4 bytes per block); a 4-bit head the main one;
+        fitted, the largest power of two up to that which divides n_embd."""
         if self.head_bits is None:
             return None
+        if self.head_block is not None:
+            return self.head_block
         return HEAD8_BLOCK_SIZE[self.mode] if self.head_bits == 8 else self.block_size
+
+    def fitted(self, n_embd: int) -> Recipe:
+        """The recipe as the graph will hold it: an embedding table's rows are dequantized whole, so its block
+        is the largest power of two up to the asked one that divides n_embd; a width none of 16..256 divides is
+        refused here, before any work."""
+        from gpt2edge.quantize.primitives import POSITION_BLOCK_SIZE, embedding_block_size
+
+        if self.mode == "fp16":
+            return self
+        head = None if self.head_bits is None else embedding_block_size(n_embd, self.head_block_size)
+        return replace(self, head_block=head, position_block=embedding_block_size(n_embd, POSITION_BLOCK_SIZE))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.mode}
@@ -74,6 +90,7 @@ class Recipe:
                 head_bits=self.head_bits,
                 head_block_size=self.head_block_size,
                 position_table_bits=8,
+                position_table_block_size=self.position_block,
                 symmetric=self.symmetric,
                 op="com.microsoft.MatMulNBits",
             )
@@ -165,6 +182,7 @@ def quantize_model(
             f"{src} is a shared-cache export (the CPU fast path); fp16 would put casts around its in-place cache. "
             "Make fp16 from a --kv-cache concat export, or use int8/int4 here."
         )
+    recipe = recipe.fitted(info.dims.n_embd)  # the tables' blocks as the graph will hold them, or refused now
     check_output_dir(out, force, sources=[src])
     if report:
         check_report_text(src, text)  # an empty or one-token --text, refused before the work

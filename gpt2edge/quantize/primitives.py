@@ -19,6 +19,8 @@ from gpt2edge.errors import QuantizeError
 SUPPORTED_BITS = (4, 8)
 # what ONNX Runtime's MatMulNBits packing (MlasQuantizeBlockwise) accepts: 512 and up abort in its C++ code
 BLOCK_SIZES = (16, 32, 64, 128, 256)
+# the 8-bit position table's preferred block (capped by n_embd like the tied table's, see embedding_block_size)
+POSITION_BLOCK_SIZE = 128
 
 
 @dataclass
@@ -46,6 +48,17 @@ def check_block_size(block_size: int) -> None:
             f"--block-size must be a power of two from 16 to 256 ({', '.join(map(str, BLOCK_SIZES))}: what ONNX "
             f"Runtime's MatMulNBits supports), got {block_size}."
         )
+
+
+def embedding_block_size(width: int, preferred: int) -> int:
+    """The largest power of two <= preferred that divides the embedding width (rows are dequantized whole)."""
+    block = min(preferred, width & -width)
+    if block < BLOCK_SIZES[0]:
+        raise QuantizeError(
+            f"n_embd={width} is not a multiple of {BLOCK_SIZES[0]}: int8/int4 store the embedding tables in blocks "
+            f"of {BLOCK_SIZES[0]}..{BLOCK_SIZES[-1]} that divide a row; quantize this model to fp16 instead."
+        )
+    return block
 
 
 def quantize_blockwise(w_kn: np.ndarray, bits: int, block_size: int, symmetric: bool = False) -> BlockQuantized:

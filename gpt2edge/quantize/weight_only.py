@@ -13,7 +13,13 @@ from onnx import helper, numpy_helper
 
 from gpt2edge.errors import QuantizeError
 from gpt2edge.onnx_stats import reader_ops
-from gpt2edge.quantize.primitives import BlockQuantized, quantize_blockwise, unpack_codes
+from gpt2edge.quantize.primitives import (
+    POSITION_BLOCK_SIZE,
+    BlockQuantized,
+    embedding_block_size,
+    quantize_blockwise,
+    unpack_codes,
+)
 
 MS_DOMAIN = "com.microsoft"
 
@@ -114,14 +120,6 @@ def _is_float_table(init: onnx.TensorProto | None, readers: set[str] | None) -> 
     )
 
 
-def embedding_block_size(width: int, preferred: int) -> int:
-    """The largest power of two <= preferred that divides the embedding width (rows are dequantized whole)."""
-    block = min(preferred, width & -width)
-    if block < 16:
-        raise QuantizeError(f"n_embd={width} has no power-of-two block size >= 16 for the embedding tables.")
-    return block
-
-
 def quantize_weights(
     model: onnx.ModelProto,
     bits: int,
@@ -174,7 +172,8 @@ def quantize_weights(
         table = n.input[0] if n.op_type == "Gather" and _axis(n) == 0 else None
         if table is not None and table not in tables and _is_float_table(inits.get(table), readers.get(table)):
             w = numpy_helper.to_array(inits[table])  # (rows, C)
-            q = tables[table] = quantize_blockwise(w.T, 8, embedding_block_size(w.shape[1], 128), symmetric)
+            block = embedding_block_size(w.shape[1], POSITION_BLOCK_SIZE)
+            q = tables[table] = quantize_blockwise(w.T, 8, block, symmetric)
             new_inits += [
                 numpy_helper.from_array(q.packed, f"{table}.q8"),
                 numpy_helper.from_array(q.scales, f"{table}.scales"),

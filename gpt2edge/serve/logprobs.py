@@ -23,10 +23,13 @@ if TYPE_CHECKING:
 FLOOR = -9999.0  # OpenAI's stand-in for a log-prob of -inf (a token the model gives probability 0; JSON has no inf)
 
 
-def spell(raw: Sequence[int]) -> str:
+def spell(raw: Sequence[int], token_id: int) -> str:
     """OpenAI's name for a token: its text, or `bytes:\\xe2\\x80` when its bytes are not whole UTF-8 alone
-    (part of a character split over tokens). Distinct tokens keep distinct names, as top_logprobs keys."""
+    (part of a character split over tokens), or `<|id:N|>` when it has no bytes at all (an id past the
+    tokenizer's vocabulary: a padded vocabulary). Distinct tokens keep distinct names, as top_logprobs keys."""
     data = bytes(raw)
+    if not data:
+        return f"<|id:{token_id}|>"
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -54,9 +57,9 @@ def token_entry(record: TokenLogprob, n: int, offset: int, renders: bool) -> Tok
     (so up to n + 1 entries, as OpenAI says)."""
     top = None
     if n:
-        top = {spell(t.bytes): _finite(t.logprob) for t in record.top_logprobs[:n]}
-        top.setdefault(spell(record.bytes), _finite(record.logprob))
-    return TokenEntry(spell(record.bytes), _finite(record.logprob), top, offset, renders)
+        top = {spell(t.bytes, t.token_id): _finite(t.logprob) for t in record.top_logprobs[:n]}
+        top.setdefault(spell(record.bytes, record.token_id), _finite(record.logprob))
+    return TokenEntry(spell(record.bytes, record.token_id), _finite(record.logprob), top, offset, renders)
 
 
 class ChoiceLogprobs:

@@ -102,15 +102,20 @@ def read_id_list(path: Path) -> list[int]:
     if stripped.startswith("["):
         try:
             items = json.loads(stripped)
-        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: arrays nested too deep
+        except (ValueError, RecursionError) as e:  # bad JSON, an int of over 4300 digits; arrays nested too deep
             raise TrimError(f"{path} is not a valid JSON array of token ids ({e}).") from e
     else:
         items = stripped.replace(",", " ").split()
     ids = []
     for x in items:
-        if isinstance(x, bool) or not isinstance(x, (int, str)) or (isinstance(x, str) and not x.lstrip("-").isdigit()):
-            raise TrimError(f"{path}: {x!r} is not a token id; the keep-list holds integers only.")
-        ids.append(int(x))
+        try:  # int() of a str refuses '²' (a digit to isdigit) and more than 4300 digits
+            digits = isinstance(x, str) and x.lstrip("-").isdigit()
+            if isinstance(x, bool) or not (isinstance(x, int) or digits):
+                raise ValueError
+            ids.append(int(x))
+        except ValueError:
+            shown = repr(x) if len(repr(x)) <= 40 else repr(x)[:37] + "..."
+            raise TrimError(f"{path}: {shown} is not a token id; the keep-list holds integers only.") from None
     if not ids:
         raise TrimError(f"The keep-list {path} is empty; list the token ids to keep.")
     return ids
