@@ -75,7 +75,8 @@ def test_manifest_records_recipe_parent_and_sizes(variants, tiny_export):
     parent = read_manifest(tiny_export)
     m = read_manifest(variants["int4"])
     q = m["quantization"]
-    assert q["recipe"]["mode"] == "int4" and q["recipe"]["block_size"] == 256 and q["recipe"]["head_bits"] == 8
+    # the default block 256 fits the tiny model's 64-wide rows as 64 (test_default_block_divides_every_row)
+    assert q["recipe"]["mode"] == "int4" and q["recipe"]["block_size"] == 64 and q["recipe"]["head_bits"] == 8
     assert q["parent"]["sha256"]["model.onnx"] == parent["files"]["model.onnx"]["sha256"]
     assert q["size_before"] == parent["files"]["model.onnx"]["size"]
     assert q["size_after"] == m["files"]["model.onnx"]["size"]
@@ -170,9 +171,30 @@ def test_int4_default_recipe_is_the_measured_one(variants):
     head = [a for a in nodes.values() if a["bits"] == 8]
     layers = [a for a in nodes.values() if a["bits"] == 4]
     assert len(head) == 1 and layers and all(a["zp"] for a in nodes.values())
-    # the tiny model's width (64) caps the head's block, which must divide it for the embedding lookup
-    assert head[0]["block_size"] == 64 and {a["block_size"] for a in layers} == {256}
+    # the tiny model's width (64) caps the head's block (it must divide a row for the embedding lookup) and the
+    # default layer block (so that no row is padded to a whole block of 256)
+    assert head[0]["block_size"] == 64 and {a["block_size"] for a in layers} == {64}
     assert all(a["accuracy_level"] == 4 for a in nodes.values())
+
+
+@pytest.mark.parametrize(
+    "mode, n_embd, n_inner, asked, block",
+    [
+        ("int4", 768, 3072, None, 256),  # GPT-2 small / distilgpt2: the measured default, unpadded
+        ("int4", 1280, 5120, None, 256),  # gpt2-large
+        ("int4", 1600, 6400, None, 64),  # gpt2-xl: 256 would pad K = 1600 to 1792
+        ("int4", 160, 640, None, 32),  # trained-gpt2-py
+        ("int8", 1600, 6400, None, 64),  # int8's 128 would pad too
+        ("int4", 96, 333, None, 256),  # an odd n_inner: no block divides it, the default stays (padded)
+        ("int4", 1600, 6400, 256, 256),  # asked for: kept, rows padded
+        ("int8", 768, 3072, 32, 32),
+    ],
+)
+def test_default_block_divides_every_row(mode, n_embd, n_inner, asked, block):
+    """A default block shrinks to the largest power of two dividing every matrix's rows; an asked one stays."""
+    r = make_recipe(mode, block_size=asked).fitted(n_embd, n_inner)
+    assert r.block_size == block
+    assert r.to_json()["block_size"] == block and "block_defaulted" not in r.to_json()
 
 
 def test_symmetric_switch_drops_zero_points(variants, tiny_export, tmp_path):

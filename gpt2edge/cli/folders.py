@@ -119,7 +119,7 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
     "--block-size",
     type=click.Choice(BLOCK_SIZES),
     default=None,
-    help="Weights per scale along K [default: int8 128, int4 256].",
+    help="Weights per scale along K [default: int8 128, int4 256, each shrunk to divide every row].",
 )
 @click.option(
     "--accuracy-level",

@@ -53,6 +53,7 @@ class Recipe:
     symmetric: bool = False  # no zero points: code * scale (every table, the head's too)
     head_block: int | None = None  # the tied table's block once fitted to n_embd (None: the asked one)
     position_block: int | None = None  # the position table's block once fitted to n_embd
+    block_defaulted: bool = False  # block_size is the mode's default, not asked for: fitted() may shrink it
 
     @property
     def weight_bits(self) -> int | None:
@@ -69,16 +70,24 @@ class Recipe:
             return self.head_block
         return HEAD8_BLOCK_SIZE[self.mode] if self.head_bits == 8 else self.block_size
 
-    def fitted(self, n_embd: int) -> Recipe:
+    def fitted(self, n_embd: int, n_inner: int | None = None) -> Recipe:
         """The recipe as the graph will hold it: an embedding table's rows are dequantized whole, so its block
         is the largest power of two up to the asked one that divides n_embd; a width none of 16..256 divides is
-        refused here, before any work."""
-        from gpt2edge.quantize.primitives import POSITION_BLOCK_SIZE, embedding_block_size
+        refused here, before any work. A default block_size shrinks likewise to divide every matrix's rows
+        (n_embd and n_inner), so no block is padded (gpt2-xl's 1600: 64, not 256 with 12 % padding); one the
+        user asked for is kept (rows are padded to whole blocks)."""
+        from gpt2edge.quantize.primitives import BLOCK_SIZES, POSITION_BLOCK_SIZE, embedding_block_size
 
         if self.mode == "fp16":
             return self
-        head = None if self.head_bits is None else embedding_block_size(n_embd, self.head_block_size)
-        return replace(self, head_block=head, position_block=embedding_block_size(n_embd, POSITION_BLOCK_SIZE))
+        fit = self
+        if self.block_defaulted:
+            rows = [n_embd, n_inner or 4 * n_embd]
+            block = min([self.block_size, *(k & -k for k in rows)])  # the largest power of two dividing each
+            if block >= BLOCK_SIZES[0]:
+                fit = replace(self, block_size=block)
+        head = None if fit.head_bits is None else embedding_block_size(n_embd, fit.head_block_size)
+        return replace(fit, head_block=head, position_block=embedding_block_size(n_embd, POSITION_BLOCK_SIZE))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.mode}
@@ -119,6 +128,7 @@ def make_recipe(
                 "to int8/int4, not fp16."
             )
         return Recipe("fp16")
+    block_defaulted = block_size is None
     block_size = DEFAULT_BLOCK_SIZE[mode] if block_size is None else block_size
     check_block_size(block_size)
     if accuracy_level is None:
@@ -134,7 +144,7 @@ def make_recipe(
     if symmetric is None:
         symmetric = DEFAULT_SYMMETRIC[mode]
     head_bits = None if keep_head_fp32 else (8 if head_bits is None else head_bits)
-    return Recipe(mode, block_size, accuracy_level, head_bits, symmetric)
+    return Recipe(mode, block_size, accuracy_level, head_bits, symmetric, block_defaulted=block_defaulted)
 
 
 def quantize_model(
@@ -182,7 +192,8 @@ def quantize_model(
             f"{src} is a shared-cache export (the CPU fast path); fp16 would put casts around its in-place cache. "
             "Make fp16 from a --kv-cache concat export, or use int8/int4 here."
         )
-    recipe = recipe.fitted(info.dims.n_embd)  # the tables' blocks as the graph will hold them, or refused now
+    # the blocks as the graph will hold them (tables, a default block fitted to the rows), or refused now
+    recipe = recipe.fitted(info.dims.n_embd, info.dims.n_inner)
     check_output_dir(out, force, sources=[src])
     if report:
         check_report_text(src, text)  # an empty or one-token --text, refused before the work
