@@ -153,3 +153,17 @@ def test_cli_notes_the_folders_several_sequences_over_num_beams_1(samples):
     (note,) = notes(out)
     assert "num_return_sequences=2" in note and "num_beams" not in note and "--num-return-sequences 1" in note, note
     assert out.stdout.count("The river") == 2  # the folder's two samples, printed once complete
+
+
+def test_folder_defaults_false_ignores_generation_config(tiny_export, tmp_path_factory):
+    """generate(folder_defaults=False): transformers' defaults and the call's values only (what the server uses,
+    since some knobs such as min_p have no value that means off): the same result as on a folder without them."""
+    asks = folder_with(
+        tiny_export, tmp_path_factory, "asks", num_beams=4, num_return_sequences=2, min_p=0.5, top_k=3,
+        no_repeat_ngram_size=2, do_sample=True,
+    )  # fmt: skip
+    kw = dict(max_new_tokens=10, ignore_eos=True, temperature=0.9, top_k=0, seed=4)
+    want = Generator(tiny_export).generate("The river", folder_defaults=False, **kw)
+    got = Generator(asks).generate("The river", folder_defaults=False, **kw)
+    assert got.token_ids == want.token_ids
+    assert isinstance(Generator(asks).generate("The river", max_new_tokens=3, do_sample=False), list)  # its beams

@@ -154,6 +154,10 @@ class Generator:
         pad = self.defaults.get("pad_token_id")
         self.pad_token_id = int(pad if pad is not None else (eos[0] if eos else 0))
 
+    def _defaults(self, folder_defaults: bool) -> dict[str, Any]:
+        """generation_config.json's values, or none (transformers' own defaults then apply)."""
+        return self.defaults if folder_defaults else {}
+
     def sampling_params(
         self,
         *,
@@ -161,16 +165,19 @@ class Generator:
         stop: str | Sequence[str] | None = (),
         seed: int | None = None,
         ban: str | Sequence[str] | None = (),
+        folder_defaults: bool = True,
         **overrides: Any,
     ) -> SamplingParams:
         """Merge transformers' defaults, generation_config.json and the call's non-None overrides.
 
         `ban` holds strings never to generate (llama.cpp's logit bias of -inf, transformers' bad_words_ids from
-        text); they join any `bad_words_ids`."""
+        text); they join any `bad_words_ids`. folder_defaults=False skips generation_config.json (an API with its
+        own defaults, such as the server's OpenAI ones: some knobs, e.g. min_p, have no value that means off)."""
         unknown = set(overrides) - set(_CONFIG_KEYS)
         if unknown:
             raise GenerationError(f"Unknown generation parameter(s): {', '.join(sorted(unknown))}.")
-        values: dict[str, Any] = {k: self.defaults[k] for k in _CONFIG_KEYS if self.defaults.get(k) is not None}
+        defaults = self._defaults(folder_defaults)
+        values: dict[str, Any] = {k: defaults[k] for k in _CONFIG_KEYS if defaults.get(k) is not None}
         given = {k: v for k, v in overrides.items() if v is not None}
         if "do_sample" not in given and any(k in given for k in _SAMPLING_KNOBS):
             given["do_sample"] = True
@@ -225,19 +232,23 @@ class Generator:
         num_return_sequences: int | None = None,
         length_penalty: float | None = None,
         early_stopping: bool | str | None = None,
+        folder_defaults: bool = True,
         **sampling: Any,
     ) -> GenerationResult | list[GenerationResult] | list[list[GenerationResult]]:
         """Generate for one prompt (returns a result) or a list of prompts (a left-padded batch; a list).
         Thread-safe (see the class docstring). `stop`: a string or a list of strings. `logprobs=N`: record each
         generated token's log-prob and the N most likely alternatives (result.logprobs; N = 0: the token's only).
+        folder_defaults=False: transformers' defaults and the call's values only, not generation_config.json's.
 
         With num_return_sequences > 1 each prompt gets a list of results instead (best beam first), so a
         prompt gives a list and a list of prompts a list of lists. num_beams > 1 is beam search (results
         carry sequence_score); num_return_sequences > 1 without it samples, prefilling each prompt once.
         """
-        params = self.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
+        params = self.sampling_params(
+            ignore_eos=ignore_eos, stop=stop, seed=seed, folder_defaults=folder_defaults, **sampling
+        )
         search = search_params(
-            self.defaults, num_beams=num_beams, num_return_sequences=num_return_sequences,
+            self._defaults(folder_defaults), num_beams=num_beams, num_return_sequences=num_return_sequences,
             length_penalty=length_penalty, early_stopping=early_stopping,
         )  # fmt: skip
         check_search(search, params)

@@ -29,13 +29,10 @@ class Sampling:
         return self.temperature == 0
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """Generator.generate keywords: OpenAI semantics (no top-k, no repetition penalty), not the folder's."""
-        # every knob a folder's generation_config.json may set, at its off value: one sequence per row, no beams
-        # (OpenAI's n is rows of the batch), no n-gram or bad-word bans, no typical-p (min_p: Scheduler drops it)
-        common = dict(
-            min_new_tokens=0, top_k=0, repetition_penalty=1.0, typical_p=1.0, no_repeat_ngram_size=0,
-            bad_words_ids=(), num_beams=1, num_return_sequences=1, ignore_eos=self.ignore_eos,
-        )  # fmt: skip
+        """Generator.generate keywords: OpenAI semantics, not the folder's generation_config.json (its beams,
+        n-gram and bad-word bans, typical-p, min-p... are skipped: transformers' defaults, which are off, apply),
+        and no top-k (transformers' default is 50). One sequence per row: OpenAI's n is rows of the batch."""
+        common = dict(folder_defaults=False, top_k=0, ignore_eos=self.ignore_eos)
         if self.greedy:
             return dict(common, do_sample=False)
         return dict(common, do_sample=True, temperature=self.temperature, top_p=self.top_p, seed=self.seed)

@@ -45,9 +45,6 @@ class Scheduler:
     """submit() from any thread (cheap, never blocks); one daemon thread decodes."""
 
     def __init__(self, generator, config: ServeConfig) -> None:
-        # each request passes OpenAI's knobs and the others' off values (jobs.Sampling), but min_p has no value
-        # that means off: the folder's generation_config.json min_p is dropped, not applied to sampled requests
-        generator.defaults = {k: v for k, v in generator.defaults.items() if k != "min_p"}
         self.generator = generator
         self.config = config
         self.n_positions = int(generator.lm.n_positions)
