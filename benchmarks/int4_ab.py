@@ -16,48 +16,19 @@ pp128.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import statistics as st
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-LOCK = os.environ.get("BENCH_LOCK", "/tmp/bench.lock")
-
-
-def busy_ticks() -> int:
-    """CPU ticks every process has used (user, nice, system, irq, softirq)."""
-    p = open("/proc/stat").readline().split()
-    return sum(int(x) for x in p[1:4] + p[6:8])
-
-
-def load(seconds: float = 0.5) -> float:
-    """CPUs busy per wall second over a short sleep."""
-    b0, t0 = busy_ticks(), time.monotonic()
-    time.sleep(seconds)
-    return (busy_ticks() - b0) / 100 / (time.monotonic() - t0)
-
-
-def run_locked(cmd: list[str]) -> tuple[str, float]:
-    """stdout of cmd run under the bench lock, and the CPU other processes used per wall second meanwhile."""
-    with open(LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        for _ in range(120):  # wait for a quiet moment (at most a minute)
-            if load() < 0.08:
-                break
-        b0, t0, c0 = busy_ticks(), time.monotonic(), os.times()
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        c1, b1, t1 = os.times(), busy_ticks(), time.monotonic()
-    own = (c1.children_user - c0.children_user) + (c1.children_system - c0.children_system)
-    return out, max(0.0, (b1 - b0) / 100 - own) / (t1 - t0)
+from bench_lock import run_locked
 
 
 def run_quiet(cmd: list[str], max_others: float) -> tuple[str, float]:
     for _ in range(40):
-        out, others = run_locked(cmd)
+        out, others = run_locked(cmd, wait_quiet=True)
         if others <= max_others:
             break
         time.sleep(10)

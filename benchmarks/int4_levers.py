@@ -16,11 +16,9 @@ alone, e.g. the 40 MB head, would otherwise run partly from the 32 MB last-level
 from __future__ import annotations
 
 import argparse
-import fcntl
 import itertools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,10 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from bench_lock import run_locked
 
 C, LAYERS, VOCAB = 768, 12, 50257
 BLOCK_SHAPES = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]  # (K, N): qkv, attn proj, fc, fc proj
-LOCK = os.environ.get("BENCH_LOCK", "/tmp/bench.lock")
 FLUSH_BYTES = 96 << 20  # written between timed runs: more than the last-level cache (32 MB here)
 
 
@@ -124,12 +122,6 @@ def time_model(path: str, threads: int, tokens: int, repeat: int) -> list[tuple[
     return out
 
 
-def _busy_jiffies() -> int:
-    with open("/proc/stat") as f:
-        parts = f.readline().split()
-    return sum(int(p) for p in parts[1:4] + parts[6:8])
-
-
 def timed_run(path: Path, threads: int, tokens: int, repeat: int) -> tuple[dict[str, float], float]:
     """({median, best wall ms, median CPU ms}, other processes' CPU per wall second) of one fresh-process run
     under the bench lock. On a busy host the best run and the CPU time are the less disturbed figures."""
@@ -138,14 +130,7 @@ def timed_run(path: Path, threads: int, tokens: int, repeat: int) -> tuple[dict[
         "print(json.dumps(time_model(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))"
     )
     argv = [sys.executable, "-c", code, str(path), str(threads), str(tokens), str(repeat), str(Path(__file__).parent)]
-    with open(LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        b0, t0, c0 = _busy_jiffies(), time.monotonic(), os.times()
-        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-        c1 = os.times()
-        b1, t1 = _busy_jiffies(), time.monotonic()
-    own = (c1.children_user - c0.children_user) + (c1.children_system - c0.children_system)
-    others = max(0.0, (b1 - b0) / os.sysconf("SC_CLK_TCK") - own) / (t1 - t0)
+    out, others = run_locked(argv)
     runs = np.array(json.loads(out))  # (repeat, 2): wall, cpu
     stats = {"ms": float(np.median(runs[:, 0])), "best": float(runs[:, 0].min()), "cpu": float(np.median(runs[:, 1]))}
     return stats, others
