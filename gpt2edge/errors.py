@@ -63,3 +63,8 @@ class TrimError(Gpt2EdgeError):
 
 class ServeError(Gpt2EdgeError):
     """A server option is out of range, or the `serve` / `cluster` extra is not installed."""
+
+
+class ArgumentTypeError(Gpt2EdgeError, TypeError):
+    """A Python API call passed a value of the wrong type (None or bytes for a prompt, an int for stop strings).
+    A TypeError too, so callers catch it as Python's own; the CLI prints it as one line like every error here."""

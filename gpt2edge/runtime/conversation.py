@@ -16,6 +16,7 @@ ContextOverflowWarning.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -26,10 +27,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.api_args import text_arg
 from gpt2edge.runtime.beam import check_one_sequence
 from gpt2edge.runtime.columns import forward_columns
 from gpt2edge.runtime.generate import GenerationState, Step, decode_n_tokens
 from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.reserve import check_session_reservation
 from gpt2edge.runtime.tokenizer import TextStream
 
 if TYPE_CHECKING:
@@ -77,10 +80,12 @@ class Conversation:
         self.lm = lm
         self.n_positions = lm.n_positions
         self.on_overflow = on_overflow
+        check_session_reservation(lm)  # before the mask and cache below are allocated
         self._history: list[int] = []
         self._mask = np.ones((1, self.n_positions), dtype=np.int64)  # batch 1, no padding: every position is real
         self._cache_valid = False  # False: rebuild the cache from the history before the next turn
-        self._busy = False
+        self._turn = threading.Lock()  # held by the thread running a turn
+        self._owner: int | None = None  # that thread's id
         self.last_prefill_tokens = 0  # tokens the last turn fed in its prefill (what the cache lacked)
         lm.start(1, self.n_positions)  # the one reservation for the whole conversation
 
@@ -96,7 +101,7 @@ class Conversation:
     def append(self, text: str) -> list[int]:
         """Add text to the context (tokenized on its own, as typed); the next turn feeds it. Returns its ids."""
         self._check_idle()
-        ids = self.generator.tokenizer.encode(text)
+        ids = self.generator.tokenizer.encode(text_arg(text, "text"))
         self._history += ids
         return ids
 
@@ -120,6 +125,7 @@ class Conversation:
         """Append `prompt` (if given), then continue the context. Its prompt_token_ids are the whole context the
         model saw; its prefill_ms times the one forward of this turn's new tokens. Ctrl-C ends the turn with
         finish_reason "interrupted" and keeps what it generated."""
+        prompt = None if prompt is None else text_arg(prompt, "prompt")
         state = self._prepare(ignore_eos, stop, seed, logprobs, sampling)
         with closing(self._steps(prompt, state)) as steps:
             try:
@@ -143,6 +149,7 @@ class Conversation:
     ) -> Iterator[str]:
         """generate() as text pieces (see Generator.stream); bad parameters raise here. The turn starts at the
         first piece; closing the stream early ends it there, keeping the tokens generated so far."""
+        prompt = None if prompt is None else text_arg(prompt, "prompt")
         state = self._prepare(ignore_eos, stop, seed, logprobs, sampling)
         return self._pieces(prompt, state, result)
 
@@ -179,8 +186,9 @@ class Conversation:
     def _steps(self, prompt: str | None, state: GenerationState) -> Iterator[Step]:
         """One turn: extend the history, feed what the cache lacks, decode; the generated tokens join the
         history however the turn ends."""
-        self._check_idle()
-        self._busy = True
+        if not self._turn.acquire(blocking=False):  # another turn runs (here or in another thread)
+            self._refuse_busy()
+        self._owner = threading.get_ident()
         gen, lm = self.generator, self.lm
         state.generated, state.finish_reasons = [[]], [None]
         state.texts = [TextStream(gen.tokenizer, state.params.stop)]
@@ -203,7 +211,8 @@ class Conversation:
             self._cache_valid = False  # a forward may have been cut short: rebuild the cache next turn
         finally:
             self._history += state.generated[0]
-            self._busy = False
+            self._owner = None
+            self._turn.release()
 
     def _fit(self, max_new_tokens: int) -> None:
         """Drop the oldest tokens when the context and this turn's output would pass n_positions."""
@@ -232,7 +241,16 @@ class Conversation:
         return forward_columns(lm, ids, self._mask[:, : len(self._history)], positions)
 
     def _check_idle(self) -> None:
-        if self._busy:
+        if self._turn.locked():
+            self._refuse_busy()
+
+    def _refuse_busy(self) -> None:
+        """A turn is running: in this thread an open stream holds it, in another a turn of its own."""
+        if self._owner == threading.get_ident():
             raise GenerationError(
                 "This session is in the middle of a turn (a stream is still open); exhaust or close it first."
             )
+        raise GenerationError(
+            "This session is running a turn in another thread; a session is one conversation for one thread at a "
+            "time: give each thread its own (Generator.session()), or wait for that turn to end."
+        )

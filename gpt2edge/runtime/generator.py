@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.api_args import path_arg, prompts_arg, strings_arg, text_arg
 from gpt2edge.runtime.beam import (
     BeamState,
     SearchParams,
@@ -90,7 +91,7 @@ def _as_tuple(v) -> tuple[int, ...]:
 
 def _stop_strings(stop: str | Sequence[str] | None, what: str = "Stop strings") -> tuple[str, ...]:
     """A plain string is one stop string (not one per character); a list gives several."""
-    stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    stops = strings_arg(stop, "stop" if what == "Stop strings" else "ban")  # a TypeError names a wrong type
     bad = [s for s in stops if not isinstance(s, str) or not s]
     if bad:
         raise GenerationError(f"{what} must be non-empty strings, got {bad[0]!r}.")
@@ -136,6 +137,7 @@ class Generator:
         no cap); a call beyond it waits for one to end, at most context_wait_s seconds (None: as long as it
         takes), then raises GenerationError. session() conversations hold their own context, outside the cap."""
         check_max_contexts(max_contexts, context_wait_s)  # before the model loads
+        model_dir = path_arg(model_dir, "model_dir")
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
         # a draft model alternates with this graph token by token: idle threads must not spin (session.py)
@@ -205,6 +207,7 @@ class Generator:
 
     def encode_prompt(self, prompt: str, max_new_tokens: int, truncate: bool) -> list[int]:
         """Token ids of the prompt; raises (or, with truncate, keeps its end) when it cannot fit."""
+        prompt = text_arg(prompt, "prompt")
         ids = self.tokenizer.encode(prompt) or [int(self.bos_token_id)]  # GPT-2 starts from <|endoftext|>
         error = length_error(len(ids), max_new_tokens, self.lm.n_positions)
         if error is None:
@@ -252,7 +255,7 @@ class Generator:
             length_penalty=length_penalty, early_stopping=early_stopping,
         )  # fmt: skip
         check_search(search, params)
-        batch = [prompt] if isinstance(prompt, str) else list(prompt)
+        batch, single = prompts_arg(prompt)  # a str, or a list of them (TypeError otherwise)
         if search.expands:
             if self.speculator is not None:
                 raise GenerationError(
@@ -265,7 +268,7 @@ class Generator:
             groups = self._generate_many(batch, truncate, callback, params, search)
             if search.num_return_sequences == 1:
                 groups = [g[0] for g in groups]
-            return groups[0] if isinstance(prompt, str) else groups
+            return groups[0] if single else groups
         recorder = self.logprob_recorder(logprobs, len(batch))
         state = self._state(self._encode(batch, truncate, params), params, recorder)
         with self._pool.lease() as lm:
@@ -276,7 +279,7 @@ class Generator:
             except KeyboardInterrupt:
                 state.finish_reasons = [r or "interrupted" for r in state.finish_reasons]
         results = self._results(state)
-        return results[0] if isinstance(prompt, str) else results
+        return results[0] if single else results
 
     def _generate_many(
         self,
@@ -342,7 +345,7 @@ class Generator:
         check_one_sequence(self.defaults, "stream()", num_beams=num_beams, num_return_sequences=num_return_sequences)
         params = self.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
         recorder = self.logprob_recorder(logprobs, 1)
-        prompts = self._encode([prompt], truncate, params)
+        prompts = self._encode([text_arg(prompt, "prompt")], truncate, params)
         return self._stream_pieces(self._state(prompts, params, recorder), result)
 
     def logprob_recorder(self, n: int | None, batch: int) -> LogprobRecorder | None:

@@ -19,6 +19,20 @@ from gpt2edge.runtime.session import ORT_DEVICE, create_session, quiet_run_optio
 from gpt2edge.runtime.static_lm import StaticGraph
 
 
+def check_head(session: ort.InferenceSession, folder: ModelFolder) -> None:
+    """The graph's real head: (batch, V) log-probs for last, (batch, seq, V) for all and tail, and a tail head
+    takes the KEEP_INPUT input. A manifest whose head disagrees with its graph is refused here, not by an
+    IndexError or an ONNX Runtime failure when the output is read."""
+    rank = len(session.get_outputs()[0].shape)
+    keeps = KEEP_INPUT in [i.name for i in session.get_inputs()]
+    real = "last" if rank == 2 else "tail" if keeps else "all"
+    if real != folder.head:
+        raise ModelFolderError(
+            f"{folder.path}: its manifest says head {folder.head!r} but the graph's head is {real!r} (log-probs of "
+            f"rank {rank}); the manifest was edited or copied from another export: export the model again."
+        )
+
+
 class OrtGraph:
     """An export folder's graph loaded once: the InferenceSession, its dims and its input/output names.
 
@@ -52,6 +66,7 @@ class OrtGraph:
         self.past_names = [n for n in names if n.startswith("past_key_values.")]
         self.keeps = KEEP_INPUT in names  # --head tail: the graph returns the positions listed in that input
         self._check_cache_inputs()  # before any cache is sized from the manifest's dims
+        check_head(self.session, folder)  # the manifest's head decides how outputs are read (score, speculative)
         self.kept_ids = self._kept_ids()  # a vocabulary-trimmed head's K columns, as full ids (else None)
         self.columns = None if self.kept_ids is None else Columns.of(self.kept_ids, self.vocab_size)
         # private, for parity tests: generate loops on this graph scatter to (B, V) first, as before K columns

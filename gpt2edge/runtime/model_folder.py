@@ -13,6 +13,7 @@ import numpy as np
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import check_present, load_manifest, resolve_inside, verify_files
 from gpt2edge.manifest_records import ATTENTION_OPS, GENERATION_CONFIG, GraphInfo, Manifest, ModelDims
+from gpt2edge.runtime.api_args import path_arg
 from gpt2edge.runtime.sampling_params import SamplingParams
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -29,7 +30,7 @@ class ModelFolder:
 
         Either way every path resolves inside the folder (symlinks included), so nothing outside is loaded.
         """
-        path = Path(path)
+        path = path_arg(path, "path")  # a TypeError names a wrong type
         info = load_manifest(path)
         _check_graph_format(path, info.graph.format)
         if verify:

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpt2edge.errors import GenerationError
+from gpt2edge.errors import ArgumentTypeError, GenerationError
+from gpt2edge.runtime.api_args import int_arg, text_arg
 from gpt2edge.runtime.columns import forward_columns, lm_columns
-from gpt2edge.runtime.lm import OrtLM, load_graph
+from gpt2edge.runtime.lm import OrtLM, check_head, load_graph
 from gpt2edge.runtime.model_folder import ModelFolder
 from gpt2edge.runtime.session import create_session, quiet_run_options, run_errors
 from gpt2edge.runtime.tokenizer import TextTokenizer
@@ -105,6 +106,8 @@ class Scorer:
     """Scores texts with one export folder. head-all graphs run a window in one forward; others token by token."""
 
     def __init__(self, folder: ModelFolder, device: str = "cpu", threads: int | None = None) -> None:
+        if not isinstance(folder, ModelFolder):
+            raise ArgumentTypeError(f"Scorer takes a ModelFolder (Scorer(ModelFolder.open(path))), got {folder!r:.60}.")
         self.folder = folder
         self.tokenizer = TextTokenizer(folder.tokenizer_path)
         self.vocab_size = int(folder.dims["vocab_size"])
@@ -119,7 +122,7 @@ class Scorer:
 
     def encode(self, text: str) -> list[int]:
         """Tokens of the text; refuses an empty text and ids the model's vocabulary does not have."""
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(text_arg(text, "text"))
         if len(ids) < 2:
             raise GenerationError(
                 f"The text has {len(ids)} token(s); scoring needs at least 2 (the first token has no context)."
@@ -165,6 +168,7 @@ class Scorer:
                 f"{self.folder.path} returns log-probs at the last position only; export with --head all for "
                 "one-pass scoring, or use --method token-by-token."
             )
+        max_length, stride = int_arg(max_length, "max_length"), int_arg(stride, "stride")
         max_length, stride = check_plan(self.n_positions, max_length, stride)
         ids = [int(i) for i in ids]
         self._check_kept(ids[1:])
@@ -196,7 +200,9 @@ class Scorer:
     def _window_head_all(self, ids: list[int], w: Window) -> list[float]:
         """One forward of the whole window with an empty past; row j of the output predicts token begin+j+1."""
         if self._session is None:
-            self._session = create_session(self.folder.graph_path, device=self.device, threads=self.threads)
+            session = create_session(self.folder.graph_path, device=self.device, threads=self.threads)
+            check_head(session, self.folder)  # a manifest claiming head all over a last-head graph
+            self._session = session
         T = w.end - w.begin
         feed = {
             "input_ids": np.asarray([ids[w.begin : w.end]], dtype=np.int64),  # (1, T)
