@@ -155,9 +155,11 @@ def atomic_output_dir(
                 f"Cannot move the result to {shown} ({e.strerror or e}); nothing was replaced."
             ) from e
     except BaseException as e:
+        # asked before the partial files are removed: removing them frees the space a C++ writer ran out of
+        full = isinstance(e, Exception) and not isinstance(e, Gpt2EdgeError) and disk_full(real.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno in DISK_FULL:
             raise write_error(e, shown) from e
-        if isinstance(e, Exception) and not isinstance(e, Gpt2EdgeError) and disk_full(real.parent):
+        if full:
             raise write_error(OSError(errno.ENOSPC, "disk full"), shown) from e
         raise

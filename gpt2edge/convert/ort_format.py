@@ -11,6 +11,7 @@ CPU execution provider gains nothing from it.)
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import logging
 import os
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpt2edge.errors import ConvertError
+from gpt2edge.folder_checks import disk_full
 
 CONFIG_NAME = "required_operators.config"
 OPTIMIZATION_STYLE = "Fixed"
@@ -69,6 +71,8 @@ def convert_to_ort(onnx_path: Path, out_dir: Path) -> OrtConversion:
                 onnx_path, output_dir=Path(work), optimization_styles=[OptimizationStyle[OPTIMIZATION_STYLE]]
             )
         except Exception as e:  # ONNX Runtime raises its own exception types (Fail, InvalidGraph, ...)
+            if disk_full(out_dir):  # ORT's "Failed to save ORT format model" does not say why: the folder says
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out_dir)) from e  # "Disk full" line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConvertError(f"ONNX Runtime could not convert {onnx_path} to ORT format: {first}") from e
         graphs = sorted(Path(work).glob("*.ort"))

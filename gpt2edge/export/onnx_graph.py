@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -14,6 +16,7 @@ from gpt2edge.errors import ExportError
 from gpt2edge.export.fused_ops import onnx_translation
 from gpt2edge.export.model import ExportableGPT2
 from gpt2edge.export.options import DEFAULT_OPSET, check_opset
+from gpt2edge.folder_checks import DISK_FULL, disk_full
 from gpt2edge.manifest_records import KEEP_INPUT
 from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD
 
@@ -103,6 +106,10 @@ def export_graph(model: ExportableGPT2, path: Path, opset: int = DEFAULT_OPSET) 
             program.save(str(path), external_data=external)
     except ExportError:
         raise
+    except OSError as e:
+        if e.errno in DISK_FULL or disk_full(Path(path).parent):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e  # the caller's "Disk full" line
+        raise ExportError(f"Tracing the model to ONNX failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     except Exception as e:  # the exporter raises many types; name the step that failed
         raise ExportError(f"Tracing the model to ONNX failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     files = [path.name]

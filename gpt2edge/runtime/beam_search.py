@@ -15,14 +15,33 @@ order come out the same.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
 
 from gpt2edge.runtime.columns import Columns
 from gpt2edge.runtime.sampling import top_k_pool
+from gpt2edge.runtime.tie_order import torch_topk
 
 BIG = np.float32(1e9)  # transformers' "very large" score offset
+
+
+def length_divisor(n: int, length_penalty: float) -> np.float32:
+    """n ** length_penalty as the float32 that torch divides by: inf past float32's range and 0 below it, never
+    Python's OverflowError (length_penalty 1e308) nor numpy's overflow warning."""
+    try:
+        x = float(n) ** length_penalty
+    except OverflowError:
+        x = math.inf
+    with np.errstate(over="ignore"):
+        return np.float32(x)
+
+
+def _divide(scores: np.ndarray, divisor: np.float32) -> np.ndarray:
+    """scores / divisor as torch computes it: -x / 0 = -inf and -x / inf = -0, without RuntimeWarnings."""
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore", under="ignore"):
+        return scores / divisor
 
 
 def top_k_sorted(scores: np.ndarray, k: int) -> np.ndarray:
@@ -94,7 +113,7 @@ class BeamSearch:
         hits = np.asarray(stopped(top_seqs[:, :, : t + 1]), dtype=bool)  # (P, K)
         # 2. the best num_beams that go on
         alive = top_scores - hits.astype(np.float32) * BIG
-        keep = top_k_sorted(alive, nb)
+        keep = torch_topk(alive, nb)  # ties (many -1e9) in torch.topk's order, as transformers picks
         self.running = gather(top_seqs, keep)
         self.running_scores = gather(alive, keep)
         rows = gather(src_rows, keep)
@@ -110,13 +129,13 @@ class BeamSearch:
     def _finish(self, top_seqs: np.ndarray, top_scores: np.ndarray, hits: np.ndarray) -> None:
         nb, k = self.num_beams, self.k
         just_finished = hits & (np.arange(k) < nb)[None, :]
-        scores = top_scores / np.float32((self.t + 1) ** self.length_penalty)
+        scores = _divide(top_scores, length_divisor(self.t + 1, self.length_penalty))
         full = self.finished.all(axis=1, keepdims=True) & (self.early_stopping is True)
         scores = scores - full.astype(np.float32) * BIG  # early_stopping=True: a full prompt takes no more
         scores = scores - (~self.improvable).astype(np.float32) * BIG
         scores = scores - (~just_finished).astype(np.float32) * BIG  # running candidates are not hypotheses
         merged_scores = np.concatenate([self.scores, scores], axis=1)
-        best = top_k_sorted(merged_scores, nb)
+        best = torch_topk(merged_scores, nb)  # empty slots and running candidates tie at -1e9
         self.scores = gather(merged_scores, best)
         self.sequences = gather(np.concatenate([self.sequences, top_seqs], axis=1), best)
         lengths = np.full(hits.shape, self.t + 1, dtype=np.int64)
@@ -128,7 +147,7 @@ class BeamSearch:
         length, against the worst hypothesis kept (any empty slot keeps the prompt open)."""
         lp = self.length_penalty
         best_len = self.max_new_tokens if self.early_stopping == "never" and lp > 0 else self.t
-        best_possible = self.running_scores[:, :1] / np.float32(best_len**lp)
+        best_possible = _divide(self.running_scores[:, :1], length_divisor(best_len, lp))
         worst = np.where(self.finished, self.scores.min(axis=1, keepdims=True), -BIG)
         self.improvable &= (best_possible > worst).any(axis=1, keepdims=True)
 
@@ -143,9 +162,9 @@ class BeamSearch:
         """After Ctrl-C: per prompt the n best of the hypotheses and the running beams (scored as if they ended
         now), each with a flag that says whether it had finished."""
         out = []
-        lp_div = np.float32(max(self.t, 1) ** self.length_penalty)
+        lp_div = length_divisor(max(self.t, 1), self.length_penalty)
         for p in range(len(self.scores)):
-            run = self.running_scores[p] / lp_div
+            run = _divide(self.running_scores[p], lp_div)
             pool = [
                 (self.scores[p, j], self.sequences[p, j, : self.lengths[p, j]], True) for j in range(self.num_beams)
             ]

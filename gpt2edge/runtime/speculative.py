@@ -121,6 +121,11 @@ class Speculator:
         self._pool = None
         if draft is not None:
             folder = ModelFolder.open(draft, verify=verify)
+            if folder.graph.static is not None:  # its fixed-capacity cache cannot take back rejected drafts
+                raise ModelFolderError(
+                    f"The draft {folder.path} is a static-shape export (--static), which cannot drop the draft "
+                    "tokens the target rejects; export the draft without --static."
+                )
             self.warnings = draft_warnings(target, folder)
             for w in self.warnings:
                 warnings.warn(w, stacklevel=2)

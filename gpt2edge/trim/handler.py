@@ -59,6 +59,12 @@ def check_request(src: Path, out: Path, keep_from: Sequence[Path], keep_ids: Pat
         )
     if info.graph.static is not None:
         raise TrimError(f"{src} is a static-shape export (--static); trim the dynamic export instead.")
+    if info.graph.format != "onnx":  # an .ort graph is no ONNX protobuf: onnx cannot read it to rewrite the head
+        origin = info.raw.get("conversion", {}).get("parent", {}).get("path", "?")
+        raise TrimError(
+            f"{src} is a converted ({info.graph.format}) folder; trim the .onnx export it came from ({origin}), "
+            "then convert the trimmed folder."
+        )
     if info.graph.head != "last":
         raise TrimError(
             f"{src} is a --head all (scoring) export, which needs every token's probability; trim a generation "
