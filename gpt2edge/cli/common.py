@@ -12,6 +12,7 @@ import warnings
 import click
 
 from gpt2edge import __version__
+from gpt2edge.cli.interrupts import arm, check_stdout, exit_interrupted, interrupted
 from gpt2edge.errors import ChecksumError, Gpt2EdgeError
 from gpt2edge.runtime.session import MAX_THREADS, PROVIDERS
 
@@ -105,7 +106,24 @@ def warnings_to_stderr():
                 click.echo(f"warning: {w.message}", err=True)
 
 
-@click.group()
+class Gpt2EdgeGroup(click.Group):
+    """The command group: Ctrl-C anywhere in a command ends it with `[interrupted]` and status 130 (click's own
+    handling says "Aborted!" with status 1), and a closed stdout is refused before any work."""
+
+    def invoke(self, ctx: click.Context):
+        check_stdout()
+        arm()
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            exit_interrupted()
+        except Exception:
+            if interrupted():  # e.g. an ImportError of a module Ctrl-C left half imported
+                exit_interrupted()
+            raise
+
+
+@click.group(cls=Gpt2EdgeGroup)
 @click.version_option(__version__, prog_name="gpt2edge")
 def main() -> None:
     """Export GPT-2-family models to ONNX, quantize them, and generate text on ONNX Runtime."""

@@ -38,11 +38,14 @@ def apply_repetition_penalty(
     if penalty == 1.0:
         return scores
     scores = scores.copy()
-    p = np.float32(penalty)
-    for b, ids in enumerate(seen):
-        cols = token_columns(np.unique(ids), scores.shape[1], columns)
-        s = scores[b, cols]
-        scores[b, cols] = np.where(s < 0, s * p, s / p)
+    # an extreme penalty (1e308 -> inf, 5e-324 -> 0 in float32) gives torch's float results, without numpy's
+    # warnings (np.where also computes the branch it does not pick)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore", under="ignore"):
+        p = np.float32(penalty)
+        for b, ids in enumerate(seen):
+            cols = token_columns(np.unique(ids), scores.shape[1], columns)
+            s = scores[b, cols]
+            scores[b, cols] = np.where(s < 0, s * p, s / p)
     return scores
 
 

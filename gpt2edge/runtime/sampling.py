@@ -79,8 +79,12 @@ def apply_temperature(row: np.ndarray, temperature: float) -> np.ndarray:
     where torch would have nothing left to sample."""
     if temperature == 1.0:
         return row
+    with np.errstate(over="ignore"):  # 1e308 -> inf: every score / inf = -0, uniform, as torch gives
+        t = np.float32(temperature)
+    if t == 0:  # below float32's range (5e-324): the T -> 0 limit, not a division by zero
+        return np.where(row == row.max(), np.float32(0.0), NEG_INF).astype(np.float32)
     with np.errstate(over="ignore"):  # overflow to -inf is the division's honest float32 result
-        out = row / np.float32(temperature)
+        out = row / t
     if out.max() == NEG_INF and row.max() > NEG_INF:
         out = np.where(row == row.max(), np.float32(0.0), NEG_INF).astype(np.float32)
     return out
