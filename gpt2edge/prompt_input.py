@@ -1,6 +1,7 @@
 """Prompts for `gpt2edge generate`: from -p values, stdin and prompt files, checked as UTF-8 before any work.
 
-File formats, chosen by an explicit rule (never by the file's name):
+-f FILE is one prompt: the whole file (llama.cpp's -f). --batch-file FILE holds several, in one of these
+formats, chosen by an explicit rule (never by the file's name):
 - lines: one prompt per line; blank lines are skipped; the line is the prompt, without its line ending.
 - jsonl: one JSON object per non-blank line, its "prompt" field (a string) is the prompt (for prompts that
   hold newlines).
@@ -83,28 +84,44 @@ def parse_prompts(text: str, fmt: str, where: str) -> list[str]:
     return prompts
 
 
+def _whole(text: str, empty: str) -> str:
+    """A whole file or stdin as one prompt: one trailing newline dropped (an editor's or `echo`'s, as llama.cpp's
+    -f does); refused with the message `empty` when nothing is left."""
+    text = text.removesuffix("\n").removesuffix("\r")
+    if not text:
+        raise GenerationError(empty)
+    return text
+
+
 def collect_prompts(
-    values: Sequence[str], files: Sequence[str | Path], fmt: str, read_stdin: Callable[[], bytes]
+    values: Sequence[str],
+    files: Sequence[str | Path],
+    fmt: str,
+    read_stdin: Callable[[], bytes],
+    batch_files: Sequence[str | Path] = (),
 ) -> list[str]:
-    """-p values (`-` = all of stdin as one prompt, one trailing newline dropped), then each -f file's prompts
-    (`-` = stdin as a prompt file), in the order given. Raises before anything is loaded."""
-    if sum(v == STDIN for v in values) + sum(str(f) == STDIN for f in files) > 1:
-        raise GenerationError("stdin can be read once: give '-' to one -p or -f only.")
+    """-p values (`-` = all of stdin as one prompt, one trailing newline dropped), then each -f file as one
+    prompt (llama.cpp's -f; `-` = stdin), then each --batch-file's prompts in format `fmt` (one per line, or
+    JSONL; `-` = stdin), in the order given. Raises before anything is loaded."""
+    sources = [*values, *map(str, files), *map(str, batch_files)]
+    if sum(v == STDIN for v in sources) > 1:
+        raise GenerationError("stdin can be read once: give '-' to one -p, -f or --batch-file only.")
     prompts = []
     for v in values:
         if v != STDIN:
             prompts.append(check_utf8(v, "The -p prompt"))
-            continue
-        text = decode_utf8(read_stdin(), "stdin")
-        text = text.removesuffix("\n").removesuffix("\r")  # `echo text |` adds a newline the user did not type
-        if not text:
-            raise GenerationError("-p - read an empty stdin; pipe the prompt in (echo 'text' | gpt2edge ...).")
-        prompts.append(text)
-    for f in files:
-        if str(f) == STDIN:
+        else:
+            empty = "-p - read an empty stdin; pipe the prompt in (echo 'text' | gpt2edge ...)."
+            prompts.append(_whole(decode_utf8(read_stdin(), "stdin"), empty))
+    for f in map(str, files):
+        data = read_stdin() if f == STDIN else Path(f).read_bytes()
+        where = "stdin" if f == STDIN else f
+        prompts.append(_whole(decode_utf8(data, where), f"-f {where} is empty; put the prompt in it."))
+    for f in map(str, batch_files):
+        if f == STDIN:
             prompts += parse_prompts(decode_utf8(read_stdin(), "stdin"), fmt, "stdin")
         else:
-            prompts += parse_prompts(decode_utf8(Path(f).read_bytes(), str(f)), fmt, str(f))
+            prompts += parse_prompts(decode_utf8(Path(f).read_bytes(), f), fmt, f)
     if not prompts:
-        raise GenerationError("No prompt given: pass -p TEXT (repeatable), -p - (stdin) or -f FILE.")
+        raise GenerationError("No prompt given: pass -p TEXT (repeatable), -p - (stdin), -f FILE or --batch-file FILE.")
     return prompts

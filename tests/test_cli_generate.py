@@ -129,10 +129,10 @@ def test_prompt_from_stdin(tiny_export, greedy):
 def test_prompt_file_formats(tiny_export, tmp_path, content, fmt, prompts):
     f = tmp_path / "prompts.txt"
     f.write_text(content, encoding="utf-8", newline="")
-    r = gen(tiny_export, "-f", f, "--format", fmt, "-n", "2", "--json")
+    r = gen(tiny_export, "--batch-file", f, "--format", fmt, "-n", "2", "--json")
     assert [x["prompt"] for x in results(r)] == prompts
-    piped = gen(tiny_export, "-f", "-", "--format", fmt, "-n", "2", "--json", input=content.encode())
-    assert [x["prompt"] for x in results(piped)] == prompts  # -f - reads the same from stdin
+    piped = gen(tiny_export, "--batch-file", "-", "--format", fmt, "-n", "2", "--json", input=content.encode())
+    assert [x["prompt"] for x in results(piped)] == prompts  # --batch-file - reads the same from stdin
 
 
 def test_prompt_file_is_one_batch_or_sequential(tiny_export, tmp_path):
@@ -142,11 +142,11 @@ def test_prompt_file_is_one_batch_or_sequential(tiny_export, tmp_path):
         token_ids(gen(tiny_export, "-p", p, "-n", "8", "--ignore-eos", "--json")) for p in f.read_text().split("\n")[:2]
     ]
     for mode in ((), ("--sequential",)):
-        r = gen(tiny_export, "-f", f, "-n", "8", "--ignore-eos", "--json", *mode)
+        r = gen(tiny_export, "--batch-file", f, "-n", "8", "--ignore-eos", "--json", *mode)
         assert [x["token_ids"] for x in results(r)] == single
-    streamed = gen(tiny_export, "-f", f, "-n", "8", "--ignore-eos", "--sequential")
+    streamed = gen(tiny_export, "--batch-file", f, "-n", "8", "--ignore-eos", "--sequential")
     assert streamed.exit_code == 0, streamed.output
-    lines = streamed.stdout.splitlines()
+    lines = [line for line in streamed.stdout.splitlines() if not line.startswith("--- prompt ")]  # separators
     assert len(lines) == 2 and lines[0].startswith("The river") and lines[1].startswith("Visitors came to")
     assert sum("ms/token" in line for line in streamed.stderr.splitlines()) == 2  # a timing line per prompt
 
@@ -155,12 +155,14 @@ def test_prompt_file_is_one_batch_or_sequential(tiny_export, tmp_path):
     "args, stdin, phrase",
     [
         ((), None, "No prompt given"),
-        (("-f", "EMPTY"), None, "holds no prompts"),
-        (("-f", "BLANK"), None, "holds no prompts"),
-        (("-f", "-"), "", "holds no prompts"),
+        (("--batch-file", "EMPTY"), None, "holds no prompts"),
+        (("--batch-file", "BLANK"), None, "holds no prompts"),
+        (("--batch-file", "-"), "", "holds no prompts"),
+        (("-f", "EMPTY"), None, "is empty"),
+        (("-f", "-"), "\n", "is empty"),
         (("-p", "-"), "", "empty stdin"),
         (("-p", "-", "-f", "-"), "x\n", "stdin can be read once"),
-        (("-f", "JSONL", "--format", "jsonl"), None, 'line 3 is not a JSON object with a string "prompt"'),
+        (("--batch-file", "JSONL", "--format", "jsonl"), None, 'line 3 is not a JSON object with a string "prompt"'),
     ],
 )
 def test_no_prompts_or_bad_files_are_clear_errors(tiny_export, tmp_path, args, stdin, phrase):
@@ -218,7 +220,8 @@ def test_ctrl_c_exits_130_and_says_interrupted(tiny_export, monkeypatch, mode, w
     elif mode == "sequential-json":  # two prompts: the batch shape, holding the one that was interrupted
         assert [x["finish_reason"] for x in json.loads(r.stdout)["results"]] == ["interrupted"]
     else:
-        assert r.stdout.startswith("The river") and r.stdout.endswith("\n")
+        text = r.stdout.removeprefix("--- prompt 1/2 ---\n")  # several prompts: a separator line before each
+        assert text.startswith("The river") and r.stdout.endswith("\n")
     if mode.startswith("sequential"):
         assert "Visitors" not in r.stdout  # stopped: the next prompt is not started
 
@@ -244,7 +247,7 @@ def test_undecodable_argv_bytes_are_a_clear_error(tiny_export):
         (("-p", "-"), b"caf\xe9\n", "stdin is not valid UTF-8 (byte 0xe9 on line 1)"),
         (("-f", "-"), b"good\n\xff\xfe bad\n", "stdin is not valid UTF-8 (byte 0xff on line 2)"),
         (("-f", "LATIN1"), None, "LATIN1 is not valid UTF-8 (byte 0xe9 on line 2)"),
-        (("-f", "JSONL"), None, "JSONL line 1 is not valid UTF-8 (lone surrogate U+D800"),
+        (("--batch-file", "JSONL"), None, "JSONL line 1 is not valid UTF-8 (lone surrogate U+D800"),
     ],
 )
 def test_text_that_is_not_utf8_is_a_clear_error(tiny_export, tmp_path, args, stdin, phrase):

@@ -68,7 +68,11 @@ def report_stream(as_json: bool):
 class FiniteFloatRange(click.FloatRange):
     """A FloatRange that also refuses nan and inf: nan passes every comparison, so a plain range lets it in."""
 
-    name = "finite float range"
+    name = "float"  # the metavar: FLOAT, as for a plain float option
+
+    def _describe_range(self) -> str:
+        # click writes an unbounded side as "x<=None"; say what is required instead
+        return "finite" if self.min is None and self.max is None else super()._describe_range()
 
     def convert(self, value, param, ctx):
         rv = super().convert(value, param, ctx)
@@ -85,6 +89,7 @@ def finite_range(
 
 
 DEVICES = click.Choice(tuple(PROVIDERS))  # the execution providers the runtime knows
+DEVICE_HELP = "Where ONNX Runtime runs the model: cpu, or cuda (needs onnxruntime-gpu: scripts/setup.sh --gpu)."
 
 # every --threads option: the runtime's own bound (ONNX Runtime would try to start any number of threads)
 THREADS = click.IntRange(1, MAX_THREADS)

@@ -97,7 +97,7 @@ def export(source, out, head, kv_cache, opset, validate, atol, force, revision, 
     show_default=True,
     help="tiny/mini for tests and demos; small is the real 124M GPT-2 shape.",
 )
-@click.option("--seed", type=SEEDS, default=0, show_default=True)
+@click.option("-s", "--seed", type=SEEDS, default=0, show_default=True, help="Seed of the random weights.")
 @click.option(
     "--tokenizer", default=None, help="Folder with the tokenizer (vocab.json + merges.txt or tokenizer.json)."
 )

@@ -29,6 +29,7 @@ def generate(
     model_dir,
     prompts,
     prompt_files,
+    batch_files,
     file_format,
     sequential,
     max_new_tokens,
@@ -44,6 +45,7 @@ def generate(
     ban,
     seed,
     stop,
+    escape,
     ignore_eos,
     truncate,
     num_beams,
@@ -63,20 +65,30 @@ def generate(
 ) -> None:
     """Generate text from the export folder MODEL_DIR (no PyTorch needed).
 
-    One prompt streams; several run as one left-padded batch (--sequential: one after another). Ctrl-C stops,
-    prints what was generated, says [interrupted] on stderr and exits with status 130.
+    One prompt streams; several run as one left-padded batch (--sequential: one after another), each printed
+    under a `--- prompt i/n ---` line. -f FILE is one prompt (the whole file), --batch-file FILE one per line or
+    JSONL. Ctrl-C stops, prints what was generated, says [interrupted] on stderr and exits with status 130.
     """
+    from gpt2edge.cli.escapes import process_escapes
     from gpt2edge.prompt_input import collect_prompts
     from gpt2edge.runtime import Generator
     from gpt2edge.runtime.beam import search_params
 
-    _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, interactive, truncate, sequential)
+    files = prompt_files + batch_files
+    _check_generate_modes(prompts, files, as_json, no_stream, logprobs, interactive, truncate, sequential)
     _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping)
     try:
         # prompts are read and checked before the model is loaded
         read_stdin = lambda: sys.stdin.buffer.read()  # noqa: E731
         # -i without -p starts from an empty context (its turns come from stdin)
-        texts = [] if interactive and not prompts else collect_prompts(prompts, prompt_files, file_format, read_stdin)
+        if escape:  # llama.cpp's -e: "\\n" typed in -p / --stop means a newline
+            prompts = tuple(p if p == "-" else process_escapes(p) for p in prompts)
+            stop = tuple(process_escapes(s) for s in stop)
+        texts = (
+            []
+            if interactive and not prompts
+            else collect_prompts(prompts, prompt_files, file_format, read_stdin, batch_files)
+        )
         speculative = dict(draft=draft, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)
         with warnings_to_stderr():
             gen = Generator(model_dir, device=device, threads=threads, verify=not no_verify, **speculative)
@@ -147,7 +159,8 @@ def _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, i
         len(prompts) > 1 or prompt_files or as_json or no_stream or logprobs is not None or truncate or sequential
     ):
         raise click.UsageError(
-            "-i takes at most one -p and no -f, --json, --no-stream, --logprobs, --truncate or --sequential."
+            "-i takes at most one -p and no -f, --batch-file, --json, --no-stream, --logprobs, --truncate or "
+            "--sequential."
         )
     if interactive and prompts == ("-",):
         raise click.UsageError("-i reads its turns from stdin; give the first prompt as text, not '-'.")

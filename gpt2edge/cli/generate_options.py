@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import DEVICES, SEEDS, THREADS, THREADS_HELP, finite_range
+from gpt2edge.cli.common import DEVICE_HELP, DEVICES, SEEDS, THREADS, THREADS_HELP, finite_range
 from gpt2edge.prompt_input import FORMATS
 from gpt2edge.runtime.beam import EARLY_STOPPING_NAMES
 
@@ -31,11 +31,20 @@ OPTIONS = [
     ),
     click.option(
         "-f",
+        "--file",
         "--prompt-file",
         "prompt_files",
         multiple=True,
         type=click.Path(exists=True, dir_okay=False, allow_dash=True),
-        help="Prompts from a UTF-8 file ('-': stdin), see --format; repeatable, after the -p prompts.",
+        help="The whole UTF-8 file is one prompt, as llama.cpp's -f (one trailing newline dropped; '-': stdin); "
+        "repeat for a batch. For one prompt per line or JSONL use --batch-file.",
+    ),
+    click.option(
+        "--batch-file",
+        "batch_files",
+        multiple=True,
+        type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+        help="Several prompts from a UTF-8 file ('-': stdin), see --format; repeatable, after the -p and -f prompts.",
     ),
     click.option(
         "--format",
@@ -43,8 +52,8 @@ OPTIONS = [
         type=click.Choice(FORMATS),
         default="auto",
         show_default=True,
-        help='-f files. lines: one prompt per non-blank line. jsonl: one JSON object per non-blank line, its "prompt" '
-        "string. auto: jsonl when every non-blank line is such an object, else lines.",
+        help='--batch-file files. lines: one prompt per non-blank line. jsonl: one JSON object per non-blank line, its '
+        '"prompt" string. auto: jsonl when every non-blank line is such an object, else lines.',
     ),
     click.option(
         "--sequential",
@@ -55,6 +64,7 @@ OPTIONS = [
     click.option(
         "-n",
         "--max-new-tokens",
+        "--n-predict",  # llama.cpp's spelling
         type=click.IntRange(min=1),
         default=None,
         help="Tokens to generate " + _cfg_default(32) + ".",
@@ -74,6 +84,7 @@ OPTIONS = [
     ),
     click.option(
         "--temperature",
+        "--temp",  # llama.cpp's spelling
         type=finite_range(min=0),
         default=None,
         help="Sampling temperature; 0 = greedy " + _cfg_default(1.0) + ".",
@@ -92,6 +103,7 @@ OPTIONS = [
     ),
     click.option(
         "--repetition-penalty",
+        "--repeat-penalty",  # llama.cpp's spelling
         type=finite_range(min=0, min_open=True),
         default=None,
         help="> 1 discourages repeats, greedy or sampling " + _cfg_default(1.0) + ".",
@@ -116,9 +128,15 @@ OPTIONS = [
     ),
     click.option("--ban", multiple=True, help="Never generate this text (repeatable; also with a leading space)."),
     click.option(
-        "--seed", type=SEEDS, default=None, help="Seed of the sampler: same seed, same tokens [default: random]."
+        "-s", "--seed", type=SEEDS, default=None, help="Seed of the sampler: same seed, same tokens [default: random]."
     ),
     click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); not included in the output."),
+    click.option(
+        "-e",
+        "--escape",
+        is_flag=True,
+        help="Read \\n \\r \\t \\' \\\" \\\\ and \\xHH in -p and --stop as the characters they name (llama.cpp's -e).",
+    ),
     click.option("--ignore-eos", is_flag=True, help="Keep going past the end-of-text token."),
     click.option("--truncate", is_flag=True, help="Keep the end of a prompt that does not fit instead of failing."),
     click.option(
@@ -142,8 +160,8 @@ OPTIONS = [
         default=None,
         help="When beam search stops (transformers' early_stopping) [default: false].",
     ),
-    click.option("--device", type=DEVICES, default="cpu", show_default=True),
-    click.option("--threads", type=THREADS, default=None, help=THREADS_HELP),
+    click.option("--device", type=DEVICES, default="cpu", show_default=True, help=DEVICE_HELP),
+    click.option("-t", "--threads", type=THREADS, default=None, help=THREADS_HELP),
     click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models)."),
     click.option("--no-stream", is_flag=True, help="Print the text once it is complete."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (implies --no-stream)."),

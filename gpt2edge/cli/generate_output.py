@@ -15,12 +15,25 @@ def note_ignored_knobs(sample: bool, knobs: dict) -> None:
         click.echo(f"note: sampling is off (greedy): {', '.join(given)} {verb} no effect; add --do-sample.", err=True)
 
 
+def separator(prompt: int, n_prompts: int, seq: int = 0, n_seqs: int = 1) -> None:
+    """The stdout line before each of several results, so that texts with newlines of their own stay apart:
+    `--- prompt 2/3 ---`, `--- sequence 1/4 ---` or `--- prompt 2/3, sequence 1/4 ---`; none for one result."""
+    parts = [f"prompt {prompt + 1}/{n_prompts}"] if n_prompts > 1 else []
+    parts += [f"sequence {seq + 1}/{n_seqs}"] if n_seqs > 1 else []
+    if parts:
+        click.echo(f"--- {', '.join(parts)} ---")
+
+
 def generate_each(gen, texts: list[str], kwargs: dict, stream: bool, as_json: bool) -> bool:
     """Each prompt on its own, streamed or printed; returns whether Ctrl-C stopped it."""
     results = []
-    for text in texts:
+    for i, text in enumerate(texts):
+        if not as_json:
+            separator(i, len(texts))
         result = _stream_one(gen, text, kwargs) if stream else gen.generate(text, **kwargs)
         results.append(result)
+        if not as_json and stream:
+            print_finish(result)
         if not as_json and not stream:
             _print_result(text, result)
         if not as_json:
@@ -51,7 +64,8 @@ def generate_batch(gen, texts: list[str], kwargs: dict, as_json: bool) -> bool:
     if as_json:
         _print_json_results(texts, results)
     else:
-        for text, r in zip(texts, results):
+        for i, (text, r) in enumerate(zip(texts, results)):
+            separator(i, len(texts))
             _print_result(text, r)
         print_timings(results[0].timings, sum(len(r.token_ids) for r in results))
     return any(r.finish_reason == "interrupted" for r in results)
@@ -61,15 +75,20 @@ def generate_search(gen, texts: list[str], kwargs: dict, as_json: bool, sequenti
     """Beam search or several sequences per prompt, one row per sequence (prompt by prompt, best first), all
     prompts as one batch or (sequential) each printed once done; returns whether Ctrl-C stopped it."""
     rows: list = []
+    done = 0  # prompts printed before this batch
     for batch in [[t] for t in texts] if sequential else [texts]:
         results = gen.generate(batch, **kwargs)
         # num_return_sequences > 1 gives a list per prompt
-        new = [(t, r) for t, res in zip(batch, results) for r in (res if isinstance(res, list) else [res])]
+        groups = [res if isinstance(res, list) else [res] for res in results]
+        new = [(t, r) for t, group in zip(batch, groups) for r in group]
         rows += new
         if not as_json:
-            for t, r in new:
-                _print_result(t, r)
+            for p, (t, group) in enumerate(zip(batch, groups)):
+                for j, r in enumerate(group):
+                    separator(done + p, len(texts), j, len(group))
+                    _print_result(t, r)
             print_timings(new[0][1].timings, sum(len(r.token_ids) for _, r in new))
+        done += len(batch)
         if any(r.finish_reason == "interrupted" for _, r in new):
             break
     if as_json:
@@ -90,6 +109,11 @@ def note_folder_search(search, instead: str) -> None:
 
 def _print_result(text: str, result) -> None:
     click.echo(text + result.text)
+    print_finish(result)
+
+
+def print_finish(result) -> None:
+    """Why the text ended (length, eos, stop, interrupted), and a beam's score, on stderr."""
     score = "" if result.sequence_score is None else f", score {result.sequence_score:.4f}"
     click.echo(f"[finish: {result.finish_reason}{score}]", err=True)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from gpt2edge.cli.common import (
+    DEVICE_HELP,
     DEVICES,
     THREADS,
     THREADS_HELP,
@@ -89,9 +90,11 @@ def parity(
     default=None,
     help="Generated tokens [default: 128, or the positions the prompt leaves]. Values you give must fit.",
 )
-@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
-@click.option("--device", type=DEVICES, default="cpu", show_default=True)
+@click.option(
+    "--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Prompts decoded together (batch rows)."
+)
+@click.option("-t", "--threads", type=THREADS, default=None, help=THREADS_HELP)
+@click.option("--device", type=DEVICES, default="cpu", show_default=True, help=DEVICE_HELP)
 @click.option(
     "--repeat", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs after one warm-up."
 )
@@ -246,8 +249,8 @@ def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
     show_default=True,
     help="auto: one pass per window on a --head all export, else token by token through the KV cache.",
 )
-@click.option("--device", type=DEVICES, default="cpu", show_default=True)
-@click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
+@click.option("--device", type=DEVICES, default="cpu", show_default=True, help=DEVICE_HELP)
+@click.option("-t", "--threads", type=THREADS, default=None, help=THREADS_HELP)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with per-token log-probs on stdout.")
 @friendly_errors

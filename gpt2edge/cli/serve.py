@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import DEVICES, THREADS, THREADS_HELP, finite_range, friendly_errors, main
+from gpt2edge.cli.common import DEVICE_HELP, DEVICES, THREADS, THREADS_HELP, finite_range, friendly_errors, main
 
 
 def _host(ctx, param, value: str) -> str:
@@ -56,8 +56,8 @@ def _host(ctx, param, value: str) -> str:
     show_default=True,
     help="Longest wait for a new batch to fill (see README: Serve).",
 )
-@click.option("--device", type=DEVICES, default="cpu", show_default=True)
-@click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
+@click.option("--device", type=DEVICES, default="cpu", show_default=True, help=DEVICE_HELP)
+@click.option("-t", "--threads", type=THREADS, default=None, help=THREADS_HELP)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
 @click.option("--ray", "use_ray", is_flag=True, help="Deploy on Ray Serve (extra `cluster`) instead of uvicorn.")
 @click.option(
