@@ -263,6 +263,8 @@ def print_report(report: dict[str, Any], title: str = "quality", file=sys.stdout
         ("perplexity ref / variant", f"{report['perplexity_reference']:.3f} / {report['perplexity_variant']:.3f}"),
         ("greedy match", greedy),
     ]
+    if report.get("text_scored"):  # which text: --text, one recorded in the folder, or the built-in sample
+        rows.insert(0, ("text scored", str(report["text_scored"])))
     if "size_variant" in report and report.get("size_reference"):
         ratio = report["size_variant"] / report["size_reference"]
         rows.insert(0, ("file size", f"{report['size_variant'] / 1e6:.2f} MB ({ratio * 100:.1f} % of reference)"))

@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 out=${1:-out/demo}
+# said first: every report below (validation, quality, generated text) is of random weights
+echo "--- random weights: the generated text is gibberish; the parity tables, quality figures and timings are real ---"
 gpt2edge random-checkpoint "$out/checkpoint" --size mini --force
 gpt2edge export -m "$out/checkpoint" "$out/fp32" --force
 gpt2edge quantize "$out/fp32" -o "$out/int8" --mode int8 --force

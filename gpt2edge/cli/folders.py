@@ -12,9 +12,9 @@ from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, SUPPORTED_OPSET
 from gpt2edge.export.random_checkpoint import SIZES
 from gpt2edge.extras import require_extra
 from gpt2edge.manifest_records import HEAD_MODES, KV_CACHE_MODES
-from gpt2edge.prompt_input import read_text_file
 from gpt2edge.quantize.handler import ACCURACY_LEVELS, HEAD_BITS, MODES
 from gpt2edge.quantize.primitives import BLOCK_SIZES
+from gpt2edge.report_text import choose_report_text
 
 
 @main.command()
@@ -141,7 +141,8 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
     "text_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="Text file for the quality report, 2 tokens or more [default: built-in English text].",
+    help="Text file for the quality report, 2 tokens or more; recorded in the new folder for later reports "
+    "[default: the text MODEL_DIR records, else a built-in English sample].",
 )
 @click.option("--no-report", is_flag=True, help="Skip the quality report.")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
@@ -170,10 +171,13 @@ def quantize(
 
     require_extra("quantize", "quantize")
     recipe = make_recipe(mode, block_size, accuracy_level, head_bits, keep_head_fp32, symmetric)
-    text = read_text_file(text_file) if text_file else None
+    chosen = choose_report_text(text_file, [model_dir])
+    log = report_stream(as_json)
     manifest = quantize_model(
-        model_dir, out, recipe, force=force, text=text, report=not no_report, log=report_stream(as_json)
+        model_dir, out, recipe, force=force, text=chosen.text, report=not no_report, log=log, text_source=chosen.source
     )
+    if chosen.note and not no_report:  # under the report it qualifies
+        click.echo(chosen.note, file=log)
     if as_json:
         print_json(manifest)
     else:
@@ -233,7 +237,8 @@ def convert(model_dir, out, fmt, force, as_json) -> None:
     "text_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="In-domain text for the quality report [default: built-in English text].",
+    help="In-domain text for the quality report; recorded in the new folder for later reports [default: the text "
+    "MODEL_DIR records, else a built-in English sample].",
 )
 @click.option("--max-tokens", type=click.IntRange(min=2), default=256, show_default=True, help="Tokens to score.")
 @click.option("--no-report", is_flag=True, help="Skip the quality report.")
@@ -244,7 +249,8 @@ def trim_vocab(model_dir, out, keep_from, top, keep_ids, text_file, max_tokens, 
     """Write a variant of MODEL_DIR whose head scores only the kept tokens (always EOS and every single byte)."""
     from gpt2edge.trim.handler import trim_vocab as run_trim
 
-    text = read_text_file(text_file) if text_file else None
+    chosen = choose_report_text(text_file, [model_dir])
+    log = report_stream(as_json)  # the report on stdout like every command's, stderr under --json
     manifest = run_trim(
         model_dir,
         out,
@@ -252,10 +258,14 @@ def trim_vocab(model_dir, out, keep_from, top, keep_ids, text_file, max_tokens, 
         top=top,
         keep_ids=keep_ids,
         force=force,
-        text=text,
+        text=chosen.text,
         max_tokens=max_tokens,
         report=not no_report,
+        log=log,
+        text_source=chosen.source,
     )
+    if chosen.note and not no_report:  # under the report it qualifies
+        click.echo(chosen.note, file=log)
     if as_json:
         print_json(manifest)
         return

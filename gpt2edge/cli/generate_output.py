@@ -125,15 +125,18 @@ def _print_json_results(texts: list[str], results: list) -> None:
 
 
 def print_timings(t: dict, n_tokens: int) -> None:
+    spec = "acceptance_rate" in t  # speculative decoding: one decode step is one target (verify) step
+    step = "ms per target step" if spec else "ms/token"
     click.echo(
-        f"[{n_tokens} tokens | prefill {t['prefill_ms']:.1f} ms | decode {t['decode_ms_per_token_mean']:.2f} ms/token "
+        f"[{n_tokens} tokens | prefill {t['prefill_ms']:.1f} ms | decode {t['decode_ms_per_token_mean']:.2f} {step} "
         f"(mean) | sampler {t['sampler_ms_per_token_mean']:.3f} ms/token | {t['tokens_per_s']:.1f} tokens/s]",
         err=True,
     )
-    if "acceptance_rate" in t:  # speculative decoding: decode figures above are per target (verify) step
+    if spec:
         click.echo(
             f"[speculative: {t['accepted_tokens']:.0f} of {t['draft_tokens']:.0f} draft tokens accepted "
             f"({t['acceptance_rate'] * 100:.0f} %) | {t['tokens_per_target_step']:.2f} tokens per target step | "
-            f"{t['target_steps']:.0f} target steps | drafting {t['draft_ms_total']:.1f} ms]",
+            f"{t['decode_ms_per_token_mean']:.2f} ms per target step | {t['target_steps']:.0f} target steps | "
+            f"drafting {t['draft_ms_total']:.1f} ms]",
             err=True,
         )

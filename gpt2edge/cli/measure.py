@@ -18,8 +18,9 @@ from gpt2edge.cli.common import (
     report_stream,
     warnings_to_stderr,
 )
+from gpt2edge.cli.thresholds import print_thresholds, threshold_checks
 from gpt2edge.extras import require_extra
-from gpt2edge.prompt_input import read_text_file
+from gpt2edge.report_text import choose_report_text
 from gpt2edge.runtime.score import METHODS
 
 
@@ -32,7 +33,8 @@ from gpt2edge.runtime.score import METHODS
     "text_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="Text file to score, 2 tokens or more [default: built-in English text].",
+    help="Text file to score, 2 tokens or more [default: the text the folders record (quantize/trim-vocab --text), "
+    "else a built-in English sample].",
 )
 @click.option(
     "--max-tokens", type=click.IntRange(min=2), default=256, show_default=True, help="Tokens of the text to score."
@@ -58,18 +60,24 @@ def parity(
         raise click.UsageError("Give either a second export folder or -m SOURCE.")
     if source is not None:
         require_extra("export", "parity -m")
-    text = read_text_file(text_file) if text_file else None
+    chosen = choose_report_text(text_file, [other_dir, model_dir] if other_dir is not None else [model_dir])
     if source is not None:
         from gpt2edge.export.reference import compare_with_source
 
-        report = compare_with_source(model_dir, source, text=text, max_tokens=max_tokens)
+        report = compare_with_source(model_dir, source, text=chosen.text, max_tokens=max_tokens)
     else:
-        report = compare_folders(model_dir, other_dir, text=text, max_tokens=max_tokens)
-    failed = violations(
-        report, max_kl=max_kl, min_top1=min_top1, max_logprob_diff=max_logprob_diff, min_greedy_match=min_greedy_match
-    )
+        report = compare_folders(model_dir, other_dir, text=chosen.text, max_tokens=max_tokens)
+    report["text_scored"] = chosen.source
+    limits = dict(max_kl=max_kl, min_top1=min_top1, max_logprob_diff=max_logprob_diff)
+    limits["min_greedy_match"] = min_greedy_match
+    failed = violations(report, **limits)
     report["violations"] = failed
-    print_report(report, title=f"{report['variant']} vs {report['reference']}", file=report_stream(as_json))
+    report["thresholds"] = threshold_checks(report, limits)
+    log = report_stream(as_json)
+    print_report(report, title=f"{report['variant']} vs {report['reference']}", file=log)
+    print_thresholds(report["thresholds"], file=log)
+    if chosen.note:
+        click.echo(chosen.note, file=log)
     if as_json:
         print_json(report)
     if failed:
@@ -212,6 +220,14 @@ def bench(
         click.echo(f"{'context ' + str(row['context']):<32} {row['decode_ms_per_token']:.2f} ms/token (median)")
 
 
+def _terminal_stdin(f) -> bool:
+    """Whether `f` is stdin and stdin is a terminal (someone typing, not a pipe or a file)."""
+    try:
+        return f.fileno() == 0 and f.isatty()
+    except (OSError, ValueError, AttributeError):  # a stream with no file descriptor (e.g. a test's)
+        return False
+
+
 def _recorded_source(model_dir: Path) -> str:
     """The PyTorch source the manifest records (its local path first), or an error asking for -m."""
     from gpt2edge.errors import ModelFolderError
@@ -260,6 +276,9 @@ def score(model_dir, text_file, max_length, stride, method, device, threads, no_
     from gpt2edge.runtime.model_folder import ModelFolder
     from gpt2edge.runtime.score import Scorer
 
+    if _terminal_stdin(text_file):  # a bare `gpt2edge score DIR` would seem to hang
+        click.echo("reading the text to score from stdin (end it with Ctrl-D), or pass a file: score DIR FILE.",
+                   err=True)  # fmt: skip
     try:
         text = text_file.read().decode("utf-8")
     except UnicodeDecodeError as e:

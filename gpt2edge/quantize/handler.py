@@ -21,6 +21,7 @@ from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder_checks import check_output_dir, check_sources
 from gpt2edge.manifest import graph_files, load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
+from gpt2edge.report_text import BUILT_IN, record_text
 
 # bits of the widest tensor each precision stores; a variant can only be made from a wider parent
 WIDTH = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
@@ -156,8 +157,10 @@ def quantize_model(
     text: str | None = None,
     report: bool = True,
     log=sys.stderr,
+    text_source: str | None = None,
 ) -> dict[str, Any]:
-    """Write the `recipe` variant of export folder `src` to `out`; returns the new manifest."""
+    """Write the `recipe` variant of export folder `src` to `out`; returns the new manifest. A `text` is recorded
+    in the new folder for later reports (gpt2edge.report_text); `text_source` names it in the report."""
     require_extra("quantize", "quantize")
     import onnx
 
@@ -231,12 +234,15 @@ def quantize_model(
 
             files = write_variant(variant, info, src, tmp)
             del variant
+            if text is not None:
+                record_text(tmp, text)
             bar.update()
             manifest = write_manifest(tmp, _variant_manifest(parent, src, recipe, files, tmp))
             if report:
                 # measured on the finished folder, exactly as the runtime will load it
                 bar.set_postfix_str("quality report")
                 manifest["quality"] = compare_folders(src, tmp, text=text, variant_name=str(out))
+                manifest["quality"]["text_scored"] = text_source or ("--text" if text is not None else BUILT_IN)
                 bar.update()
                 bar.clear()
                 print_report(manifest["quality"], title=f"{recipe.mode} vs fp32", file=log)

@@ -24,6 +24,7 @@ from gpt2edge.folder_checks import check_output_dir, check_sources
 from gpt2edge.manifest import load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.manifest_records import GENERATION_CONFIG, Manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
+from gpt2edge.report_text import BUILT_IN, record_text
 from gpt2edge.trim.keep import KeepSet, keep_from_corpus, keep_from_ids
 
 KEPT_IDS_FILE = "kept_ids.npy"
@@ -85,8 +86,10 @@ def trim_vocab(
     max_tokens: int = 256,
     report: bool = True,
     log=sys.stderr,
+    text_source: str | None = None,
 ) -> dict[str, Any]:
-    """Write the vocabulary-trimmed variant of export folder `src` to `out`; returns the new manifest."""
+    """Write the vocabulary-trimmed variant of export folder `src` to `out`; returns the new manifest. A `text` is
+    recorded in the new folder for later reports (gpt2edge.report_text); `text_source` names it in the report."""
     import onnx
 
     from gpt2edge.quality import compare_folders, print_report
@@ -113,12 +116,15 @@ def trim_vocab(
             files = write_variant(trimmed, info, src, tmp)
             del trimmed
             np.save(tmp / KEPT_IDS_FILE, keep.ids, allow_pickle=False)
+            if text is not None:
+                record_text(tmp, text)
             bar.update()
             manifest = write_manifest(tmp, _trimmed_manifest(info, src, keep, files, tmp))
             if report:
                 # measured on the finished folder, exactly as the runtime will load it
                 bar.set_postfix_str("quality report")
                 manifest["trim"]["quality"] = compare_folders(src, tmp, text=text, max_tokens=max_tokens)
+                manifest["trim"]["quality"]["text_scored"] = text_source or ("--text" if text is not None else BUILT_IN)
                 bar.update()
                 bar.clear()
                 print_report(manifest["trim"]["quality"], title="trimmed vs full", file=log)
