@@ -12,8 +12,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tqdm import tqdm
-
 import gpt2edge
 from gpt2edge.errors import ExportError
 from gpt2edge.export.checkpoint import load_checkpoint, resolve_source
@@ -33,6 +31,7 @@ from gpt2edge.folder_checks import check_output_dir
 from gpt2edge.manifest import write_manifest
 from gpt2edge.manifest_records import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, STATIC_KV_CACHE
 from gpt2edge.onnx_stats import decode_weight_bytes
+from gpt2edge.progress import Progress
 
 if TYPE_CHECKING:
     from gpt2edge.export.validate import Check
@@ -107,9 +106,8 @@ def export_model(
     from gpt2edge.export.validate import checks_to_json, print_checks, raise_on_failure, validate
 
     checks: list[Check] = []
-    # a progress bar on a terminal only (disable=None); it closes and clears itself on any error
-    bar = dict(desc="export", unit="step", file=sys.stderr, leave=False, disable=None)
-    with tqdm(total=5 if run_validation else 4, **bar) as steps:
+    # a progress bar on a terminal, periodic lines otherwise; it closes and clears itself on any error
+    with Progress(5 if run_validation else 4, "export", file=sys.stderr) as steps:
         steps.set_postfix_str("loading checkpoint")
         ckpt = load_checkpoint(source, revision=revision, tokenizer_source=tokenizer, resolved=resolved)
         model = from_hf_model(ckpt.model, head=head, kv_cache=kv_cache)

@@ -12,8 +12,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 import gpt2edge
 from gpt2edge.errors import QuantizeError
 from gpt2edge.extras import require_extra
@@ -21,6 +19,7 @@ from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder_checks import check_output_dir, check_sources
 from gpt2edge.manifest import graph_files, load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
+from gpt2edge.progress import Progress
 from gpt2edge.report_text import BUILT_IN, record_text
 
 # bits of the widest tensor each precision stores; a variant can only be made from a wider parent
@@ -202,14 +201,7 @@ def quantize_model(
         check_report_text(src, text)  # an empty or one-token --text, refused before the work
     verify_files(src, info)
 
-    with tqdm(
-        total=3 if report else 2,
-        desc=f"quantize {recipe.mode}",
-        unit="step",
-        file=sys.stderr,
-        leave=False,
-        disable=None,
-    ) as bar:
+    with Progress(3 if report else 2, f"quantize {recipe.mode}", file=sys.stderr) as bar:  # periodic lines off a TTY
         model = onnx.load(str(resolve_inside(src, info.graph.file)))
         if recipe.mode == "fp16":
             from gpt2edge.quantize.half import to_fp16

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 import gpt2edge
 from gpt2edge.errors import TrimError
@@ -24,6 +23,7 @@ from gpt2edge.folder_checks import check_output_dir, check_sources
 from gpt2edge.manifest import load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.manifest_records import GENERATION_CONFIG, Manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
+from gpt2edge.progress import Progress
 from gpt2edge.report_text import BUILT_IN, record_text
 from gpt2edge.trim.keep import KeepSet, keep_from_corpus, keep_from_ids
 
@@ -108,8 +108,7 @@ def trim_vocab(
     else:
         keep = keep_from_corpus(tokenizer, V, eos, [Path(p) for p in keep_from], top)
 
-    bar_opts = dict(desc="trim-vocab", unit="step", file=sys.stderr, leave=False, disable=None)  # a TTY only
-    with tqdm(total=3 if report else 2, **bar_opts) as bar:
+    with Progress(3 if report else 2, "trim-vocab", file=sys.stderr) as bar:  # a bar on a TTY, else periodic lines
         trimmed = trim_head(onnx.load(str(resolve_inside(src, info.graph.file))), keep.ids, V)
         bar.update()
         with atomic_output_dir(out, force=force, sources=[src]) as tmp:
