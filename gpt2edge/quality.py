@@ -19,11 +19,11 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import read_manifest
-from gpt2edge.runtime.generate import generate
-from gpt2edge.runtime.lm import OrtLM, load_graph
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.sampling import SamplingParams
-from gpt2edge.runtime.tokenizer import TextTokenizer
+from gpt2edge.runtime.decoding.generate import generate
+from gpt2edge.runtime.decoding.sampling import SamplingParams
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.lm import OrtLM, load_graph
+from gpt2edge.runtime.model.tokenizer import TextTokenizer
 from gpt2edge.sample_text import SAMPLE_TEXT
 
 DEFAULT_MAX_TOKENS = 256

@@ -366,7 +366,7 @@ def test_choices_are_click_choices_shown_in_help():
 
 
 def _one_token_text(folder) -> str:
-    from gpt2edge.runtime.tokenizer import TextTokenizer
+    from gpt2edge.runtime.model.tokenizer import TextTokenizer
 
     tok = TextTokenizer(folder / "tokenizer.json")
     text = tok.decode([tok.encode("The river")[0]])
@@ -463,8 +463,8 @@ def test_greedy_match_is_checked_from_several_points_of_the_text(tiny_export, tm
     assert report["greedy_match"] < 64 and report["greedy_match_start"] > 16
     assert report["greedy_match"] == min(g["match"] for g in report["greedy_matches"])
     # the figure is the real first divergence of the two folders' greedy tokens from that start
-    from gpt2edge.runtime.generate import generate
-    from gpt2edge.runtime.sampling import SamplingParams
+    from gpt2edge.runtime.decoding.generate import generate
+    from gpt2edge.runtime.decoding.sampling import SamplingParams
     from gpt2edge.sample_text import SAMPLE_TEXT
 
     params = SamplingParams(max_new_tokens=64, do_sample=False)

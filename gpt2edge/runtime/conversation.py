@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.beam import check_one_sequence
-from gpt2edge.runtime.columns import forward_columns
-from gpt2edge.runtime.generate import GenerationState, Step, decode_n_tokens
-from gpt2edge.runtime.lm import OrtLM
-from gpt2edge.runtime.tokenizer import TextStream
+from gpt2edge.runtime.decoding.beam import check_one_sequence
+from gpt2edge.runtime.decoding.generate import GenerationState, Step, decode_n_tokens
+from gpt2edge.runtime.model.columns import forward_columns
+from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.tokenizer import TextStream
 
 if TYPE_CHECKING:
     from gpt2edge.runtime.generator import GenerationResult, Generator

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.beam import (
+from gpt2edge.runtime.conversation import ContextOverflow, Conversation
+from gpt2edge.runtime.decoding.beam import (
     BeamState,
     SearchParams,
     check_one_sequence,
@@ -20,16 +21,15 @@ from gpt2edge.runtime.beam import (
     iter_beam_search,
     search_params,
 )
-from gpt2edge.runtime.conversation import ContextOverflow, Conversation
-from gpt2edge.runtime.expand import iter_generate_expanded
-from gpt2edge.runtime.generate import GenerationState, Step, iter_generate, length_error
-from gpt2edge.runtime.lm import load_graph
-from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob, check_logprobs
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.pool import LMPool, check_max_contexts
-from gpt2edge.runtime.sampling import SamplingParams
-from gpt2edge.runtime.speculative import SpecState, Speculator
-from gpt2edge.runtime.tokenizer import TextTokenizer, check_unicode
+from gpt2edge.runtime.decoding.expand import iter_generate_expanded
+from gpt2edge.runtime.decoding.generate import GenerationState, Step, iter_generate, length_error
+from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, TokenLogprob, check_logprobs
+from gpt2edge.runtime.decoding.sampling import SamplingParams
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.lm import load_graph
+from gpt2edge.runtime.model.pool import LMPool, check_max_contexts
+from gpt2edge.runtime.model.tokenizer import TextTokenizer, check_unicode
+from gpt2edge.runtime.speculative.speculator import SpecState, Speculator
 
 # generation_config.json keys that map one-to-one onto SamplingParams
 _CONFIG_KEYS = (
@@ -107,7 +107,7 @@ class Generator:
     Concurrency: one Generator may serve generate() and stream() calls from several threads at once, and
     several streams may be interleaved in one thread; each call gives exactly the tokens it gives alone. The
     ONNX Runtime session is shared (its run is thread-safe); everything a generation mutates (KV cache, IO
-    binding, bound buffers) is a per-call OrtLM from a small pool (gpt2edge.runtime.pool.LMPool): a call takes
+    binding, bound buffers) is a per-call OrtLM from a small pool (gpt2edge.runtime.model.pool.LMPool): a call takes
     an idle one, or a new one when all are busy, and gives it back when it ends (a stream: when it is
     exhausted or closed). Sequential calls reuse `self.lm`. Concurrent calls therefore hold one KV cache each
     (max_contexts caps how many; calls beyond it wait).
@@ -128,7 +128,7 @@ class Generator:
         max_contexts: int | None = None,
         context_wait_s: float | None = None,
     ) -> None:
-        """draft / prompt_lookup / draft_tokens: speculative decoding (gpt2edge.runtime.speculative): a draft
+        """draft / prompt_lookup / draft_tokens: speculative decoding (gpt2edge.runtime.speculative.speculator): a draft
         model folder with the target's tokenizer, or the longest n-gram prompt lookup matches; draft_tokens
         fixes k (default: adaptive). Output as without them: the same greedy tokens, the same distribution.
 

@@ -1,5 +1,5 @@
 """The exported graph as a language model: OrtGraph (the loaded session, shared by threads) and OrtLM (one
-generation's KV cache and IO binding on it); gpt2edge.runtime.pool.LMPool hands each call an OrtLM of its own.
+generation's KV cache and IO binding on it); gpt2edge.runtime.model.pool.LMPool hands each call an OrtLM of its own.
 
 Thread safety: ONNX Runtime's InferenceSession.run is thread-safe, an IOBinding and a KV cache are not. So
 everything mutable lives in OrtLM, and concurrent generations each use their own OrtLM on one OrtGraph.
@@ -12,11 +12,11 @@ import onnxruntime as ort
 
 from gpt2edge.errors import DeviceError, ModelFolderError
 from gpt2edge.manifest import KEEP_INPUT
-from gpt2edge.runtime.columns import Columns
-from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.session import ORT_DEVICE, create_session, quiet_run_options, run_errors
-from gpt2edge.runtime.static_lm import StaticGraph
+from gpt2edge.runtime.model.columns import Columns
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.kv_cache import KVCache, SharedKVCache
+from gpt2edge.runtime.model.ort_session import ORT_DEVICE, create_session, quiet_run_options, run_errors
+from gpt2edge.runtime.model.static_lm import StaticGraph
 
 
 class OrtGraph:
@@ -30,7 +30,7 @@ class OrtGraph:
     ) -> None:
         if folder.graph.static is not None:
             raise ModelFolderError(
-                f"{folder.path} is a static-shape export (--static); load it with gpt2edge.runtime.lm.load_graph "
+                f"{folder.path} is a static-shape export (--static); load it with gpt2edge.runtime.model.lm.load_graph "
                 "(or Generator), which runs it with StaticLM."
             )
         self.folder = folder

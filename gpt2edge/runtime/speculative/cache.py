@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.model.lm import OrtLM
 
 
 class CachedSequence:

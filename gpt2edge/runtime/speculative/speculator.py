@@ -23,15 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from gpt2edge.errors import GenerationError, ModelFolderError
-from gpt2edge.runtime.drafters import Draft, ModelDrafter, PromptLookupDrafter, check_lookup, draft_warnings
-from gpt2edge.runtime.generate import GenerationState, Step, length_error
-from gpt2edge.runtime.lm import OrtGraph, OrtLM
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.pool import LMPool
-from gpt2edge.runtime.sampling import SamplingParams
-from gpt2edge.runtime.spec_cache import CachedSequence
-from gpt2edge.runtime.spec_rules import check_params, greedy_token, target_dist, verify_greedy, verify_sampled
-from gpt2edge.runtime.tokenizer import TextStream, TextTokenizer
+from gpt2edge.runtime.decoding.generate import GenerationState, Step, length_error
+from gpt2edge.runtime.decoding.sampling import SamplingParams
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.lm import OrtGraph, OrtLM
+from gpt2edge.runtime.model.pool import LMPool
+from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
+from gpt2edge.runtime.speculative.cache import CachedSequence
+from gpt2edge.runtime.speculative.drafters import Draft, ModelDrafter, PromptLookupDrafter, check_lookup, draft_warnings
+from gpt2edge.runtime.speculative.rules import check_params, greedy_token, target_dist, verify_greedy, verify_sampled
 
 ADAPTIVE_START = 4  # first k when --draft-tokens is not given
 ADAPTIVE_MAX = 16  # the adaptive k never exceeds this
