@@ -1,5 +1,5 @@
 """Quantized variants: they run, meet stated quality thresholds against fp32, shrink the file, and refuse
-bad requests. Thresholds (also in the README) are for the tiny seeded test model, measured with ~3x margin:
+bad requests. Thresholds (also in docs/parity.md) are for the tiny seeded test model, measured with ~3x margin:
 
 | mode | mean KL(fp32 || variant) | top-1 agreement | max |Δ logprob| |
 | fp16 | <= 1e-4                  | >= 0.99         | <= 5e-2          |

@@ -47,7 +47,7 @@ class Generator:
     exhausted or closed). Sequential calls reuse `self.lm`. Concurrent calls therefore hold one KV cache each
     (max_contexts caps how many; calls beyond it wait).
     A lock around one shared context was the alternative: it cannot serve interleaved streams (they would
-    deadlock or need an error), and it serialises threads that could overlap (see the README for figures).
+    deadlock or need an error), and it serialises threads that could overlap (see docs/generate.md for figures).
     """
 
     def __init__(
