@@ -72,7 +72,7 @@ def generate(
     from gpt2edge.cli.escapes import process_escapes
     from gpt2edge.prompt_input import collect_prompts
     from gpt2edge.runtime import Generator
-    from gpt2edge.runtime.beam import search_params
+    from gpt2edge.runtime.decoding.beam import search_params
 
     files = prompt_files + batch_files
     _check_generate_modes(prompts, files, as_json, no_stream, logprobs, interactive, truncate, sequential)

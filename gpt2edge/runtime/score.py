@@ -25,11 +25,12 @@ import numpy as np
 
 from gpt2edge.errors import ArgumentTypeError, GenerationError
 from gpt2edge.runtime.api_args import int_arg, text_arg
-from gpt2edge.runtime.columns import forward_columns, lm_columns
-from gpt2edge.runtime.lm import OrtLM, check_head, load_graph
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.session import create_session, quiet_run_options, run_errors
-from gpt2edge.runtime.tokenizer import TextTokenizer
+from gpt2edge.runtime.model.columns import forward_columns, lm_columns
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.head_check import check_head
+from gpt2edge.runtime.model.lm import OrtLM, load_graph
+from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
+from gpt2edge.runtime.model.tokenizer import TextTokenizer
 
 METHODS = ("auto", "head-all", "token-by-token")
 

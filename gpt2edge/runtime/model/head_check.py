@@ -1,0 +1,27 @@
+"""The graph's real head against the manifest's: read wrongly, a mismatch is an IndexError deep in scoring."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gpt2edge.errors import ModelFolderError
+from gpt2edge.manifest import KEEP_INPUT
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
+    from gpt2edge.runtime.model.folder import ModelFolder
+
+
+def check_head(session: ort.InferenceSession, folder: ModelFolder) -> None:
+    """The graph's real head: (batch, V) log-probs for last, (batch, seq, V) for all and tail, and a tail head
+    takes the KEEP_INPUT input. A manifest whose head disagrees with its graph is refused here, not by an
+    IndexError or an ONNX Runtime failure when the output is read."""
+    rank = len(session.get_outputs()[0].shape)
+    keeps = KEEP_INPUT in [i.name for i in session.get_inputs()]
+    real = "last" if rank == 2 else "tail" if keeps else "all"
+    if real != folder.head:
+        raise ModelFolderError(
+            f"{folder.path}: its manifest says head {folder.head!r} but the graph's head is {real!r} (log-probs of "
+            f"rank {rank}); the manifest was edited or copied from another export: export the model again."
+        )
