@@ -251,3 +251,15 @@ def test_the_demo_says_random_weights_before_any_report():
     note = next(i for i, line in enumerate(lines) if line.startswith("echo") and "random weights" in line)
     first_report = next(i for i, line in enumerate(lines) if line.startswith("gpt2edge ") and "export" in line)
     assert note < first_report
+
+
+def test_a_text_recorded_at_export_is_the_default_of_quantize(tiny_checkpoint, tmp_path):
+    text = tmp_path / "domain.txt"
+    text.write_text("for i in range(10):\n    print(i)\n" * 6)
+    out = tmp_path / "exp"
+    r = cli("export", "-m", tiny_checkpoint, out, "--no-validate", "--text", text)
+    assert r.exit_code == 0 and (out / "quality_text.txt").read_text() == text.read_text(), r.output
+    q = cli("quantize", out, "-o", tmp_path / "q", "--mode", "int8")
+    assert q.exit_code == 0 and f"{out / 'quality_text.txt'} (recorded when the folder was made)" in q.stdout
+    assert "note:" not in q.output
+    assert (tmp_path / "q" / "quality_text.txt").read_text() == text.read_text()  # carried into the variant

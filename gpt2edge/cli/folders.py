@@ -12,6 +12,7 @@ from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, SUPPORTED_OPSET
 from gpt2edge.export.random_checkpoint import SIZES
 from gpt2edge.extras import require_extra
 from gpt2edge.manifest_records import HEAD_MODES, KV_CACHE_MODES
+from gpt2edge.prompt_input import read_text_file
 from gpt2edge.quantize.handler import ACCURACY_LEVELS, HEAD_BITS, MODES
 from gpt2edge.quantize.primitives import BLOCK_SIZES
 from gpt2edge.report_text import choose_report_text
@@ -59,9 +60,18 @@ from gpt2edge.report_text import choose_report_text
     default=None,
     help="Static shapes for NPUs (e.g. 1x64x1024): fixed prefill chunk and decode graphs, fixed-capacity cache.",
 )
+@click.option(
+    "--text",
+    "text_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="A text from the model's domain, recorded in OUT: quantize, trim-vocab and parity score it by default.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout (the table on stderr).")
 @friendly_errors
-def export(source, out, head, kv_cache, opset, validate, atol, force, revision, tokenizer, static, as_json) -> None:
+def export(
+    source, out, head, kv_cache, opset, validate, atol, force, revision, tokenizer, static, text_file, as_json
+) -> None:
     """Export checkpoint -m SOURCE to the folder OUT (ONNX graph, tokenizer, configs, manifest).
 
     The validation table goes to stdout (stderr with --json)."""
@@ -80,6 +90,7 @@ def export(source, out, head, kv_cache, opset, validate, atol, force, revision, 
         tokenizer=tokenizer,
         static=static,
         log=report_stream(as_json),
+        report_text=read_text_file(text_file) if text_file else None,
     )
     if as_json:
         print_json(result.manifest)

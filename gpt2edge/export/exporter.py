@@ -32,6 +32,7 @@ from gpt2edge.manifest import write_manifest
 from gpt2edge.manifest_records import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, STATIC_KV_CACHE
 from gpt2edge.onnx_stats import decode_weight_bytes
 from gpt2edge.progress import Progress
+from gpt2edge.report_text import record_text
 
 if TYPE_CHECKING:
     from gpt2edge.export.validate import Check
@@ -80,11 +81,13 @@ def export_model(
     tokenizer: str | None = None,
     static: str | StaticShape | None = None,
     log=sys.stderr,
+    report_text: str | None = None,
 ) -> ExportResult:
     """Export `source` (local folder or hub id) to `out`. Every check on the arguments runs before any work.
 
     `static` ("BATCHxCHUNKxCAPACITY" or a StaticShape): write static-shape prefill and decode graphs instead
-    (gpt2edge.export.static). `log` receives the validation table (None: not printed)."""
+    (gpt2edge.export.static). `log` receives the validation table (None: not printed). `report_text`: recorded
+    in the folder (quality_text.txt) for the quality reports of its variants and of parity (gpt2edge.report_text)."""
     require_extra("export", "export")
     out = Path(out)
     if head not in HEAD_MODES:
@@ -128,6 +131,8 @@ def export_model(
             ckpt.tokenizer.backend_tokenizer.save(str(tmp / TOKENIZER_FILE))
             ckpt.model.config.to_json_file(tmp / "config.json")
             ckpt.generation_config.to_json_file(tmp / "generation_config.json")
+            if report_text is not None:
+                record_text(tmp, report_text)
             steps.update()
 
             if run_validation:
