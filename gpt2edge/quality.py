@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import read_manifest
 from gpt2edge.runtime.decoding.generate import generate
@@ -207,6 +208,8 @@ def compare_folders(
 ) -> dict[str, Any]:
     """Report for export folder b against reference folder a (a's tokens feed both). `variant_name`: what
     the report calls b (quantize measures a temporary folder that is renamed into place afterwards)."""
+    a, b = path_arg(a, "a"), path_arg(b, "b")  # a TypeError names a wrong type
+    text = None if text is None else text_arg(text, "text")
     check_comparable(Path(a), Path(b))
     # one plan for both sides: a static-shape export holds fewer positions than the model has
     limit = min(ModelFolder.open(p, verify=False).n_positions for p in (Path(a), Path(b)))

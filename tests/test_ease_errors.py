@@ -329,7 +329,20 @@ WRONG_TYPES = [
     ("Scorer(path)", lambda g, s: Scorer(str(s.folder.path)), "Scorer takes a ModelFolder"),
     ("Generator(None)", lambda g, s: Generator(None), "model_dir must be a path"),
     ("ModelFolder.open(5)", lambda g, s: ModelFolder.open(5), "path must be a path"),
+    ("export_model(None)", lambda g, s: _api("export", "export_model")(None, "o"), "source must be a path"),
+    ("export_model(out=5)", lambda g, s: _api("export", "export_model")("x", 5), "out must be a path"),
+    ("make_random_checkpoint(None)", lambda g, s: _api("export", "make_random_checkpoint")(None), "out must be"),
+    ("quantize_model(None)", lambda g, s: _api("quantize", "quantize_model")(None, "o", None), "src must be"),
+    ("convert_folder(None)", lambda g, s: _api("convert", "convert_folder")(None, "o", "ort"), "src must be"),
+    ("trim_vocab(None)", lambda g, s: _api("trim.handler", "trim_vocab")(None, "o"), "src must be a path"),
+    ("compare_folders text=5", lambda g, s: _api("quality", "compare_folders")("a", "b", text=5), "text must be"),
 ]
+
+
+def _api(module: str, name: str):
+    import importlib
+
+    return getattr(importlib.import_module(f"gpt2edge.{module}"), name)
 
 
 @pytest.mark.parametrize("name, call, message", WRONG_TYPES, ids=[w[0] for w in WRONG_TYPES])

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import gpt2edge
+from gpt2edge.api_args import path_arg
 from gpt2edge.convert.ort_format import check_ort_size
 from gpt2edge.errors import ConvertError
 from gpt2edge.folder import atomic_output_dir
@@ -30,7 +31,7 @@ Writer = Callable[[ModelFolder, Path], "tuple[dict[str, Any], dict[str, Any]]"]
 def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = False) -> dict[str, Any]:
     """Write export folder `src` in format `fmt` ("ort" or "genai") to the new folder `out`; returns its
     manifest. Every check runs before anything is written; a failure leaves no `out` behind."""
-    src, out = Path(src), Path(out)
+    src, out = path_arg(src, "src"), path_arg(out, "out")  # a TypeError names a wrong type
     if fmt not in FORMATS:
         raise ConvertError(f"Unknown format '{fmt}'; choose one of {', '.join(FORMATS)}.")
     parent = read_manifest(src)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import gpt2edge
+from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import ExportError
 from gpt2edge.export.checkpoint import load_checkpoint, resolve_source
 from gpt2edge.export.options import (
@@ -89,7 +90,9 @@ def export_model(
     (gpt2edge.export.static). `log` receives the validation table (None: not printed). `report_text`: recorded
     in the folder (quality_text.txt) for the quality reports of its variants and of parity (gpt2edge.report_text)."""
     require_extra("export", "export")
-    out = Path(out)
+    out = path_arg(out, "out")  # a TypeError names a wrong type
+    source = str(path_arg(source, "source")) if not isinstance(source, str) else source
+    report_text = None if report_text is None else text_arg(report_text, "report_text")
     if head not in HEAD_MODES:
         raise ExportError(f"Unknown head mode '{head}'; choose one of {', '.join(HEAD_MODES)}.")
     check_opset(opset)

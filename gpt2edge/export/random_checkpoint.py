@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpt2edge.api_args import path_arg
 from gpt2edge.errors import CheckpointError
 from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder_checks import is_checkpoint_folder
@@ -38,6 +39,7 @@ def make_random_checkpoint(
     out: Path, size: str = "tiny", seed: int = 0, tokenizer_dir: str | None = None, force: bool = False
 ) -> Path:
     """Write a random-weight GPT2LMHeadModel + tokenizer to `out` (atomically); returns `out`."""
+    out = path_arg(out, "out")  # a TypeError names a wrong type, before torch is imported
     import torch
     from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import gpt2edge
+from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import QuantizeError
 from gpt2edge.extras import require_extra
 from gpt2edge.folder import atomic_output_dir
@@ -165,7 +166,8 @@ def quantize_model(
 
     from gpt2edge.quality import check_report_text, compare_folders, print_report
 
-    src, out = Path(src), Path(out)
+    src, out = path_arg(src, "src"), path_arg(out, "out")  # a TypeError names a wrong type
+    text = None if text is None else text_arg(text, "text")
     info = load_manifest(src)  # every path it names stays inside src
     parent = dict(info.raw)
     if info.graph.format != "onnx":  # .ort / genai folders (gpt2edge convert)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from gpt2edge.api_args import strings_arg
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.api_args import strings_arg
 from gpt2edge.runtime.model.tokenizer import check_unicode
 
 # generation_config.json keys that map one-to-one onto SamplingParams

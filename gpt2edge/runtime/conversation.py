@@ -26,8 +26,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gpt2edge.api_args import text_arg
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.api_args import text_arg
 from gpt2edge.runtime.decoding.beam import check_one_sequence
 from gpt2edge.runtime.decoding.generate import GenerationState, Step, decode_n_tokens
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder

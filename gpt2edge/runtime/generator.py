@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from gpt2edge.api_args import path_arg, prompts_arg, text_arg
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.api_args import path_arg, prompts_arg, text_arg
 from gpt2edge.runtime.call_params import as_tuple, merged_values, stop_strings
 from gpt2edge.runtime.conversation import ContextOverflow, Conversation
 from gpt2edge.runtime.decoding.beam import (

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpt2edge.api_args import int_arg, text_arg
 from gpt2edge.errors import ArgumentTypeError, GenerationError
-from gpt2edge.runtime.api_args import int_arg, text_arg
 from gpt2edge.runtime.model.columns import forward_columns, lm_columns
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.head_check import check_head

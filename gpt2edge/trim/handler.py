@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 import gpt2edge
+from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import TrimError
 from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder_checks import check_output_dir, check_sources
@@ -96,7 +97,8 @@ def trim_vocab(
     from gpt2edge.quantize.graph import write_variant
     from gpt2edge.trim.graph import trim_head
 
-    src, out = Path(src), Path(out)
+    src, out = path_arg(src, "src"), path_arg(out, "out")  # a TypeError names a wrong type
+    text = None if text is None else text_arg(text, "text")
     info = check_request(src, out, keep_from, keep_ids, top)
     check_output_dir(out, force, sources=[src])
     verify_files(src, info)

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from gpt2edge.api_args import path_arg
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import check_present, load_manifest, resolve_inside, verify_files
 from gpt2edge.manifest_records import ATTENTION_OPS, GENERATION_CONFIG, GraphInfo, Manifest, ModelDims
-from gpt2edge.runtime.api_args import path_arg
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
