@@ -102,7 +102,8 @@ def test_cli_num_beams_1_decodes_one_sequence_over_the_folders_beams(beams, extr
     assert out.exit_code == 0 and notes(out) == [], out.output
     prompts = ["The river", *extra[1:2]]
     ref = Generator(beams).generate(prompts, max_new_tokens=4, num_beams=1)
-    assert out.stdout == "".join(f"{p}{r.text}\n" for p, r in zip(prompts, ref))
+    seps = [f"--- prompt {i + 1}/{len(prompts)} ---\n" if len(prompts) > 1 else "" for i in range(len(prompts))]
+    assert out.stdout == "".join(f"{sep}{p}{r.text}\n" for sep, p, r in zip(seps, prompts, ref))
 
 
 @pytest.mark.parametrize("sequential", [True, False])
@@ -119,7 +120,7 @@ def test_sequential_is_honoured_with_beam_search(beams, monkeypatch, sequential)
     out = cli(*args, *(["--sequential"] if sequential else []))
     assert out.exit_code == 0, out.output
     assert calls == ([["The river"], ["A"]] if sequential else [["The river", "A"]])
-    assert out.stdout.startswith("The river") and "\nA" in out.stdout
+    assert out.stdout.startswith("--- prompt 1/2 ---\nThe river") and "--- prompt 2/2 ---\nA" in out.stdout
     assert out.stderr.count("tokens/s]") == (2 if sequential else 1)  # timings per prompt when one at a time
 
 
