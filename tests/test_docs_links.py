@@ -1,0 +1,104 @@
+"""Every relative link and anchor in README.md and docs/*.md resolves (MkDocs never sees README.md, so `mkdocs build
+--strict` in scripts/test.sh cannot check its links into docs/), and the MkDocs config fails the build on a broken
+link or anchor."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+from docs_markdown import DOCS, ROOT, doc_files, links_and_ids
+
+
+def _ids(path: Path, cache: dict[Path, set[str]]) -> set[str]:
+    if path not in cache:
+        cache[path] = links_and_ids(path.read_text(encoding="utf-8"))[1]
+    return cache[path]
+
+
+def broken_links(files: list[Path], docs_dir: Path = DOCS) -> list[str]:
+    """'file: href (why)' for each relative link that does not resolve to a file, or to an anchor in it."""
+    bad, cache = [], {}
+    for path in files:
+        hrefs, _ = links_and_ids(path.read_text(encoding="utf-8"))
+        for href in hrefs:
+            url = urlsplit(href)
+            if url.scheme or url.netloc:  # http(s), mailto: no network here
+                continue
+            where = f"{path.relative_to(ROOT)}: {href}"
+            if url.path.startswith("/"):
+                bad.append(f"{where} (absolute path: breaks on GitHub and in the site; make it relative)")
+                continue
+            target = (path.parent / unquote(url.path)).resolve() if url.path else path
+            if not target.exists():
+                bad.append(f"{where} (no such file)")
+                continue
+            if path.is_relative_to(docs_dir) and not target.is_relative_to(docs_dir):
+                bad.append(f"{where} (outside docs/: not in the site; name it as code, or link to GitHub)")
+                continue
+            if url.fragment and target.suffix == ".md" and unquote(url.fragment) not in _ids(target, cache):
+                bad.append(f"{where} (no heading with the anchor #{url.fragment} in {target.name})")
+    return bad
+
+
+def test_every_relative_link_and_anchor_resolves():
+    assert broken_links(doc_files()) == []
+
+
+def test_the_readme_links_into_every_docs_page():
+    # the landing page is how a newcomer finds the pages: each one in the nav is linked from it
+    hrefs, _ = links_and_ids((ROOT / "README.md").read_text(encoding="utf-8"))
+    linked = {(ROOT / urlsplit(h).path).resolve() for h in hrefs if not urlsplit(h).scheme}
+    pages = {p.resolve() for p in DOCS.glob("*.md") if p.name != "index.md"}
+    assert sorted(p.name for p in pages - linked) == []
+
+
+def test_the_checker_finds_broken_links(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("# A\n\n## Known limits\n\n[ok](#known-limits) [ok2](b.md#part-two) `[no](nowhere.md)`\n")
+    (docs / "b.md").write_text(
+        "# B\n\n## Part two\n\n[gone](a.md#limits) [missing](c.md) [out](../x.md) [abs](/a.md)\n\n"
+        "```\n[in a block](nowhere.md)\n```\n"
+    )
+    (tmp_path / "x.md").write_text("# x\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        bad = broken_links([docs / "a.md", docs / "b.md"], docs_dir=docs)
+    finally:
+        ROOT = saved
+    assert [b.split(" (")[0] for b in bad] == [
+        "docs/b.md: a.md#limits",
+        "docs/b.md: c.md",
+        "docs/b.md: ../x.md",
+        "docs/b.md: /a.md",
+    ]
+
+
+def test_mkdocs_strict_fails_on_a_broken_anchor(tmp_path):
+    # the config (validation: ... warn) plus --strict is what makes scripts/test.sh fail on these
+    pytest.importorskip("mkdocs")
+    shutil.copytree(DOCS, tmp_path / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    page = tmp_path / "docs" / "index.md"
+
+    def build() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+
+    ok = build()
+    assert ok.returncode == 0, ok.stderr
+    original = page.read_text(encoding="utf-8")
+    for broken in ["[x](export.md#no-such-heading)", "[x](#nowhere)", "[x](no-such-page.md)"]:
+        page.write_text(original + f"\n{broken}\n", encoding="utf-8")
+        r = build()
+        assert r.returncode != 0, f"mkdocs build --strict passed with {broken}"
