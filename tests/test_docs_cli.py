@@ -19,7 +19,8 @@ from gpt2edge.cli import main
 # option (--temperature or --temp) counts for all.
 ALLOWED_OMISSIONS: dict[str, dict[str, str]] = {}
 
-# `gpt2edge word` (lower case: `gpt2edge COMMAND` is a placeholder) at the start of a shell command: line start, after a prompt `$ `, a pipe, `&&`, `;` or `$(`
+# `gpt2edge word` (lower case: `gpt2edge COMMAND` is a placeholder) where a shell command starts: at the line's
+# start, after a prompt `$ `, a pipe, `&&`, `;` or `$(`
 _COMMAND = re.compile(r"(?:^|[\s;|&(`])(?:\$ )?gpt2edge[ \t]+([a-z][a-z0-9-]*)\b")
 _OPTION = re.compile(r"^--?[A-Za-z][\w-]*")
 _SHELL_LANGS = {"", "bash", "sh", "shell", "console", "text", "zsh"}
@@ -168,7 +169,8 @@ def test_the_parser_reads_command_lines_as_a_shell_would():
     assert (use.command, use.options) == ("generate", ("-p", "-n", "--json"))
     use = uses_in_line("gpt2edge export -m gpt2 out && gpt2edge quantize out -o q --mode=int4", "x", False)
     assert [(u.command, u.options) for u in use] == [("export", ("-m",)), ("quantize", ("-o", "--mode"))]
-    (use,) = uses_in_line("gpt2edge convert DIR -o OUT --format ort|genai [--force] (-p P | -f F) --atol 1e-4", "", True)
+    line = "gpt2edge convert DIR -o OUT --format ort|genai [--force] (-p P | -f F) --atol 1e-4"
+    (use,) = uses_in_line(line, "", True)
     assert use.options == ("-o", "--format", "--force", "-p", "-f", "--atol")
     assert uses_in_line("from gpt2edge.runtime import Generator", "x", False) == []
 

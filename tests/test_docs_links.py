@@ -57,21 +57,19 @@ def test_the_readme_links_into_every_docs_page():
     assert sorted(p.name for p in pages - linked) == []
 
 
-def test_the_checker_finds_broken_links(tmp_path):
+def test_the_checker_finds_broken_links(tmp_path, monkeypatch):
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "a.md").write_text("# A\n\n## Known limits\n\n[ok](#known-limits) [ok2](b.md#part-two) `[no](nowhere.md)`\n")
+    (docs / "a.md").write_text(
+        "# A\n\n## Known limits\n\n[ok](#known-limits) [ok2](b.md#part-two) `[no](nowhere.md)`\n"
+    )
     (docs / "b.md").write_text(
         "# B\n\n## Part two\n\n[gone](a.md#limits) [missing](c.md) [out](../x.md) [abs](/a.md)\n\n"
         "```\n[in a block](nowhere.md)\n```\n"
     )
     (tmp_path / "x.md").write_text("# x\n")
-    global ROOT
-    saved, ROOT = ROOT, tmp_path
-    try:
-        bad = broken_links([docs / "a.md", docs / "b.md"], docs_dir=docs)
-    finally:
-        ROOT = saved
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    bad = broken_links([docs / "a.md", docs / "b.md"], docs_dir=docs)
     assert [b.split(" (")[0] for b in bad] == [
         "docs/b.md: a.md#limits",
         "docs/b.md: c.md",
