@@ -32,6 +32,7 @@ class Use:
     command: str
     options: tuple[str, ...]
     synopsis: bool  # a usage line: it shows optional parts as [--option ...]
+    text: str = ""  # the command's own words, quoted strings blanked
 
 
 def options_of(text: str) -> list[str]:
@@ -66,7 +67,8 @@ def uses_in_line(text: str, where: str, synopsis: bool) -> list[Use]:
         # drop_quoted keeps no offsets, so cut the quoted-free text; options are all we read from it
         bare = drop_quoted(text)
         segment = bare[m.end() : nxt.start() if nxt else len(bare)]
-        uses.append(Use(where, m.group(1), tuple(options_of(_cut_at_shell_end(segment))), synopsis))
+        own = _cut_at_shell_end(segment)
+        uses.append(Use(where, m.group(1), tuple(options_of(own)), synopsis, own))
     return uses
 
 
@@ -79,8 +81,13 @@ def doc_uses() -> list[Use]:
                 continue
             current: Use | None = None
             prev_raw = ""
-            # a usage block: no language, optional parts in [--option ...]; all its command lines are synopses
-            synopsis = not block.lang and any("[-" in strip_comment(raw) for raw in block.lines)
+            # a usage block: no language, placeholders (MODEL_DIR, OUT), optional parts in [--option ...]; all its
+            # command lines are synopses (a block of example commands names real paths: out/gpt2)
+            synopsis = (
+                not block.lang
+                and any("[-" in strip_comment(raw) for raw in block.lines)
+                and any(re.search(r"gpt2edge [a-z-]+ .*\b[A-Z][A-Z_]{2,}\b", raw) for raw in block.lines)
+            )
             for offset, raw in enumerate(block.lines, 1):
                 where = f"{rel}:{block.line + offset}"
                 line = strip_comment(raw)
@@ -91,7 +98,8 @@ def doc_uses() -> list[Use]:
                     current = found[-1]
                 elif continued and line.strip():
                     # a synopsis or a `\`-continued command goes on over indented lines
-                    more = Use(where, current.command, tuple(options_of(_cut_at_shell_end(line))), current.synopsis)
+                    own = _cut_at_shell_end(drop_quoted(line))
+                    more = Use(where, current.command, tuple(options_of(own)), current.synopsis, own)
                     uses.append(more)
                 else:
                     current = None
@@ -160,6 +168,88 @@ def test_each_synopsis_lists_every_option_of_its_command(name):
     assert missing == [], f"gpt2edge {name} has options its synopsis in {where} does not show: {missing}"
 
 
+_ALTERNATIVES = re.compile(r"(--?[A-Za-z][\w-]*)[ =]([\w.-]+(?:\|[\w.-]+)+)(?![\w.|-])")
+_SPAN = re.compile(r"(--?[A-Za-z][\w-]*)[ =](-?\d+)\.\.(-?\d+)(?![\w.])")
+
+
+def listed_values(text: str) -> list[tuple[str, list[str] | tuple[int, int]]]:
+    """What a synopsis lists as an option's values: `--head last|all|tail` (choices) or `--opset 18..23` (a span)."""
+    found: list[tuple[str, list[str] | tuple[int, int]]] = []
+    found += [(m.group(1), m.group(2).split("|")) for m in _ALTERNATIVES.finditer(text)]
+    found += [(m.group(1), (int(m.group(2)), int(m.group(3)))) for m in _SPAN.finditer(text)]
+    return found
+
+
+def test_listed_values_are_the_commands_choices_and_ranges():
+    # `--mode fp16|int8|int4` must be every choice click accepts, no more, no fewer; `--opset 18..23` its range
+    wrong, checked = [], 0
+    for u in DOC_USES:
+        command = main.commands.get(u.command)
+        for opt, listed in listed_values(u.text) if command else []:
+            param = cli_options(command).get(opt)
+            if param is None:
+                continue  # an unknown option: test_every_documented_option_is_a_parameter_of_its_command
+            kind = param.type
+            if isinstance(kind, click.Choice):
+                real = [str(c) for c in kind.choices]
+                ok = (
+                    sorted(listed) == sorted(real)
+                    if isinstance(listed, list)
+                    else (listed == (min(map(int, real)), max(map(int, real))))
+                )
+            elif isinstance(kind, click.IntRange) and isinstance(listed, tuple):
+                real = f"{kind.min}..{kind.max}"
+                ok = listed == (kind.min, kind.max)
+            else:
+                real, ok = kind.name, False
+            checked += 1
+            if not ok:
+                wrong.append(f"{u.where}: gpt2edge {u.command} {opt} lists {listed}; the command takes {real}")
+    assert checked >= 10, "the parser found no values to check"
+    assert wrong == [], "\n".join(wrong)
+
+
+_SHOWN_DEFAULT = re.compile(r"\[(--?[A-Za-z][\w-]*)[ =]([^\s\[\]|()]+)\]")
+
+
+def shown_defaults(text: str) -> list[tuple[str, str]]:
+    """`[--port 8000]` in a synopsis shows the default; `[--port N]` (a placeholder: upper case) does not."""
+    return [
+        (m.group(1), m.group(2))
+        for m in _SHOWN_DEFAULT.finditer(text)
+        if m.group(2) == m.group(2).lower() and ".." not in m.group(2)  # `16..256` is a range
+    ]
+
+
+def _same(shown: str, param: click.Parameter) -> bool:
+    default = param.default
+    if default is None:  # resolved at run time; the help says to what ("[default: 128; ...]")
+        return f"default: {shown}" in (getattr(param, "help", None) or "")
+    if isinstance(default, bool):
+        return False
+    if isinstance(default, int | float):
+        try:
+            return float(shown) == float(default)
+        except ValueError:
+            return False
+    return shown == str(default)
+
+
+def test_defaults_a_synopsis_shows_are_the_commands_defaults():
+    wrong, checked = [], 0
+    for u in DOC_USES:
+        command = main.commands.get(u.command)
+        for opt, shown in shown_defaults(u.text) if command and u.synopsis else []:
+            param = cli_options(command).get(opt)
+            if param is None:
+                continue
+            checked += 1
+            if not _same(shown, param):
+                wrong.append(f"{u.where}: gpt2edge {u.command} [{opt} {shown}]; its default is {param.default!r}")
+    assert checked >= 10, "the parser found no defaults to check"
+    assert wrong == [], "\n".join(wrong)
+
+
 # ---- the parser itself -------------------------------------------------------------------------------------------
 
 
@@ -173,6 +263,11 @@ def test_the_parser_reads_command_lines_as_a_shell_would():
     (use,) = uses_in_line(line, "", True)
     assert use.options == ("-o", "--format", "--force", "-p", "-f", "--atol")
     assert uses_in_line("from gpt2edge.runtime import Generator", "x", False) == []
+    assert listed_values(use.text) == [("--format", ["ort", "genai"])]
+    assert listed_values(" --opset 18..23 [--head-bits 8|4] --atol 1e-4 (-p P | -f F)") == [
+        ("--head-bits", ["8", "4"]),
+        ("--opset", (18, 23)),
+    ]
 
 
 def test_a_drifted_doc_fails(tmp_path, monkeypatch):
