@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
-import markdown
-
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
@@ -38,6 +36,8 @@ class _LinksAndIds(HTMLParser):
 def links_and_ids(text: str) -> tuple[list[str], set[str]]:
     """The link targets of a Markdown text and the anchors it defines, with MkDocs' default extensions (toc's
     heading ids), so code spans and code blocks hold no links."""
+    import markdown  # MkDocs' own Markdown (the dev extra); only the link checks need it
+
     html = markdown.markdown(text, extensions=["toc", "tables", "fenced_code"])
     parser = _LinksAndIds()
     parser.feed(html)

@@ -13,6 +13,8 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from docs_markdown import DOCS, ROOT, doc_files, links_and_ids
 
+pytest.importorskip("markdown", reason="the docs checks need mkdocs (pip install '.[dev]')")
+
 
 def _ids(path: Path, cache: dict[Path, set[str]]) -> set[str]:
     if path not in cache:
