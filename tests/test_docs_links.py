@@ -51,12 +51,18 @@ def test_every_relative_link_and_anchor_resolves():
     assert broken_links(doc_files()) == []
 
 
-def test_the_readme_links_into_every_docs_page():
-    # the landing page is how a newcomer finds the pages: each one in the nav is linked from it
-    hrefs, _ = links_and_ids((ROOT / "README.md").read_text(encoding="utf-8"))
-    linked = {(ROOT / urlsplit(h).path).resolve() for h in hrefs if not urlsplit(h).scheme}
+def _linked_from(path: Path) -> set[Path]:
+    hrefs, _ = links_and_ids(path.read_text(encoding="utf-8"))
+    return {(path.parent / unquote(urlsplit(h).path)).resolve() for h in hrefs if not urlsplit(h).scheme}
+
+
+def test_every_docs_page_is_one_click_from_the_readme_or_two_through_the_index():
+    # the landing page is how a newcomer finds the pages: README.md -> docs/index.md -> every page
+    from_readme = _linked_from(ROOT / "README.md")
+    assert (DOCS / "index.md").resolve() in from_readme
+    reachable = from_readme | _linked_from(DOCS / "index.md")
     pages = {p.resolve() for p in DOCS.glob("*.md") if p.name != "index.md"}
-    assert sorted(p.name for p in pages - linked) == []
+    assert sorted(p.name for p in pages - reachable) == []
 
 
 def test_the_checker_finds_broken_links(tmp_path, monkeypatch):
