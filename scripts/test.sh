@@ -10,5 +10,5 @@ ruff check gpt2edge tests benchmarks
 # a temp folder, never into the repository (README.md's own links: tests/test_docs_links.py)
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
-python -m mkdocs build --strict --quiet --site-dir "$site"
+python -m mkdocs build --strict --site-dir "$site"   # not --quiet: it hides the warnings --strict counts
 python -m pytest -q "$@"
