@@ -22,6 +22,7 @@ class _LinksAndIds(HTMLParser):
         super().__init__()
         self.hrefs: list[str] = []
         self.ids: set[str] = set()
+        self.pre = 0  # code blocks rendered as blocks
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
@@ -31,17 +32,22 @@ class _LinksAndIds(HTMLParser):
             self.hrefs.append(a["href"])
         if tag == "img" and a.get("src") is not None:
             self.hrefs.append(a["src"])
+        self.pre += tag == "pre"
+
+
+def render(text: str) -> _LinksAndIds:
+    """A Markdown text as MkDocs renders it (its default extensions: toc's heading ids, tables, fenced code), read
+    back: its link targets (code spans and code blocks hold none), the anchors it defines, its code blocks."""
+    import markdown  # MkDocs' own Markdown (the dev extra); only the link checks need it
+
+    parser = _LinksAndIds()
+    parser.feed(markdown.markdown(text, extensions=["toc", "tables", "fenced_code"]))
+    return parser
 
 
 def links_and_ids(text: str) -> tuple[list[str], set[str]]:
-    """The link targets of a Markdown text and the anchors it defines, with MkDocs' default extensions (toc's
-    heading ids), so code spans and code blocks hold no links."""
-    import markdown  # MkDocs' own Markdown (the dev extra); only the link checks need it
-
-    html = markdown.markdown(text, extensions=["toc", "tables", "fenced_code"])
-    parser = _LinksAndIds()
-    parser.feed(html)
-    return parser.hrefs, parser.ids
+    parsed = render(text)
+    return parsed.hrefs, parsed.ids
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
-from docs_markdown import DOCS, ROOT, doc_files, links_and_ids
+from docs_markdown import DOCS, ROOT, doc_files, fenced_blocks, links_and_ids, render
 
 pytest.importorskip("markdown", reason="the docs checks need mkdocs (pip install '.[dev]')")
 
@@ -50,6 +50,18 @@ def broken_links(files: list[Path], docs_dir: Path = DOCS) -> list[str]:
 
 def test_every_relative_link_and_anchor_resolves():
     assert broken_links(doc_files()) == []
+
+
+def test_every_code_block_renders_as_a_code_block():
+    # MkDocs' Markdown does not nest a fence in a list item (GitHub does): it renders as inline code, the ``` and
+    # the language showing as text. Keep fenced blocks at the top level of a page.
+    wrong = []
+    for page in sorted(DOCS.rglob("*.md")):
+        fences, pre = len(fenced_blocks(page)), render(page.read_text(encoding="utf-8")).pre
+        if pre != fences:
+            nested = [b.line for b in fenced_blocks(page) if b.lines and b.lines[0][:1].isspace()]
+            wrong.append(f"{page.relative_to(ROOT)}: {fences} fenced blocks, {pre} rendered (nested: lines {nested})")
+    assert wrong == []
 
 
 def _linked_from(path: Path) -> set[Path]:
