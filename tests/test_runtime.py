@@ -209,8 +209,10 @@ def test_plain_stop_string_is_one_stop_string(gen):
     r = gen.generate("The city", max_new_tokens=24, do_sample=False, ignore_eos=True, stop=stop)
     assert r.finish_reason == "stop" and r.text == base.text[: base.text.find(stop)]
     assert "".join(gen.stream("The city", max_new_tokens=24, do_sample=False, ignore_eos=True, stop=stop)) == r.text
-    with pytest.raises(GenerationError, match="Stop strings must be non-empty strings"):
+    with pytest.raises(TypeError, match="each of stop must be a str, got int 1"):  # ArgumentTypeError
         gen.sampling_params(stop=[1])
+    with pytest.raises(GenerationError, match="Stop strings must be non-empty strings"):
+        gen.sampling_params(stop=[""])
 
 
 def test_generation_config_defaults_are_used(tiny_export, tmp_path):
@@ -324,4 +326,4 @@ def test_generate_cli_streams_and_reports_errors(tiny_export):
     # click's range catches it before any thread starts (the library bound is tested on its own)
     threads = run_cli("generate", tiny_export, "-p", "x", "--threads", "100000")
     assert threads.returncode == 2 and threads.stdout == ""
-    assert "Invalid value for '--threads'" in threads.stderr and "Traceback" not in threads.stderr
+    assert "Invalid value for '-t' / '--threads'" in threads.stderr and "Traceback" not in threads.stderr

@@ -777,7 +777,7 @@ def test_every_threads_option_takes_the_runtime_range(tiny_export, command):
     args = {"generate": ["-p", "x"], "bench": [], "score": [], "serve": ["--port", "0"]}[command]
     for bad in ("0", str(MAX_THREADS + 1)):
         result = CliRunner().invoke(main, [command, str(tiny_export), *args, "--threads", bad])
-        assert result.exit_code == 2 and "Invalid value for '--threads'" in result.output, result.output
+        assert result.exit_code == 2 and "Invalid value for '-t' / '--threads'" in result.output, result.output
 
 
 @pytest.mark.parametrize("flags, missing, extra, feature", [
