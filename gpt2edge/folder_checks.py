@@ -72,6 +72,27 @@ def check_sources(out: Path, sources: Iterable[str | Path | None]) -> None:
             )
 
 
+def check_inputs(out: Path, inputs: Iterable[tuple[str, str | Path | None]]) -> None:
+    """Refuse an input file or folder (named `what` in the message) that is OUT or lies inside it: writing OUT
+    (with --force: replacing it) would delete the input. Symlinks resolved; a path that does not exist yet is
+    compared as written (it may be created before OUT is replaced)."""
+    real = _resolve(out, "output")
+    for what, src in inputs:
+        if src is None:
+            continue
+        s = _resolve(Path(src), "input")
+        if s == real:
+            raise OutputFolderError(
+                f"The input {what} is the output {out} itself; writing the output would delete it, even with --force. "
+                "Choose another output path."
+            )
+        if real in s.parents:
+            raise OutputFolderError(
+                f"The input {what} lies inside the output folder {out}; replacing the folder would delete it, even "
+                "with --force. Move it out of the folder or choose another output path."
+            )
+
+
 def check_output_dir(
     out: Path,
     force: bool,
