@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from gpt2edge.errors import OutputExistsError, OutputFolderError
-from gpt2edge.folder_temp import make_temp
+from gpt2edge.folder_temp import make_temp, restore_stale
 from gpt2edge.manifest_records import FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -102,6 +102,7 @@ def check_output_dir(
     """Refuse a bad OUT before any work starts, so a long export is never lost to it; returns OUT resolved."""
     out = Path(out)
     real = _resolve(out, "output")
+    restore_stale(real.parent)  # an OUT a killed swap left aside is put back first, so the checks below see it
     try:
         cwd = Path.cwd().resolve()
     except OSError:  # the current folder was deleted: nothing to protect
