@@ -82,9 +82,10 @@ def check_inputs(out: Path, inputs: Iterable[tuple[str, str | Path | None]]) -> 
             continue
         s = _resolve(Path(src), "input")
         if s == real:
+            kind = "folder" if s.is_dir() else "file"
             raise OutputFolderError(
-                f"The input {what} is the output {out} itself; writing the output would delete it, even with --force. "
-                "Choose another output path."
+                f"The output {kind} is the input {kind} ({what}); writing the output would delete it, even with "
+                "--force. Write the output elsewhere."
             )
         if real in s.parents:
             raise OutputFolderError(
