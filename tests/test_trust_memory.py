@@ -99,3 +99,117 @@ def test_available_memory_is_the_smallest_known_limit(monkeypatch):
     monkeypatch.setenv(memory.ENV, "lots")
     with pytest.raises(memory.Gpt2EdgeError, match="is not a size"):
         memory.available_bytes()
+
+
+# --- trim-vocab --keep-from: streamed corpus counting -------------------------------------------------------
+
+CORPUS_TEXT = (
+    "def f(x):\n    return x  # ünïcödé ✓ 漢字\n\n\n  indented   spaces\t\ttabs<|endoftext|>tail\r\n" * 50
+    + "x" * 3000  # a long run with no space
+)
+
+
+def _whole_counts(tok, texts, V):
+    import numpy as np
+
+    counts = np.zeros(V, dtype=np.int64)
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        counts += np.bincount(np.asarray(enc.ids, dtype=np.int64), minlength=V)
+    return counts
+
+
+@pytest.mark.parametrize(("block", "batch"), [(7, 13), (64, 100), (4096, 1 << 20)])
+def test_streamed_counts_equal_whole_file_counts(tiny_export, tmp_path, monkeypatch, block, batch):
+    """Cut at odd block sizes (inside multi-byte characters, inside words): the counts do not change."""
+    import numpy as np
+
+    from gpt2edge.runtime.tokenizer import load_tokenizer
+    from gpt2edge.trim import corpus
+
+    monkeypatch.setattr(corpus, "BLOCK", block)
+    monkeypatch.setattr(corpus, "BATCH", batch)
+    tok = load_tokenizer(tiny_export / "tokenizer.json")
+    V = tok.get_vocab_size()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.py").write_text(CORPUS_TEXT)
+    (tmp_path / "c" / "small.txt").write_text("hello world\n")
+    (tmp_path / "c" / "empty.txt").write_text("")
+    (tmp_path / "c" / "bin.pyc").write_bytes(b"\x00\xff" * 100)
+    (tmp_path / "c" / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 100)
+    got = corpus.count_corpus(tok, [tmp_path / "c"], V)
+    want = _whole_counts(tok, [CORPUS_TEXT, "hello world\n", ""], V)
+    assert np.array_equal(got.counts, want)
+    assert (got.files, got.skipped) == (3, 2)
+
+
+def test_endless_binary_corpus_is_skipped_at_once(tiny_export):
+    """/dev/zero is not text: its first block says so, nothing more is read."""
+    from gpt2edge.errors import TrimError
+    from gpt2edge.trim.keep import keep_from_corpus
+
+    with pytest.raises(TrimError, match="holds no UTF-8 text"):
+        keep_from_corpus(tiny_export / "tokenizer.json", 400, [0], [__import__("pathlib").Path("/dev/zero")])
+
+
+ENDLESS = """
+import sys, threading
+from gpt2edge.trim import corpus
+corpus.PROGRESS_EVERY_S = 0.2
+from gpt2edge.cli import main
+main(["trim-vocab", sys.argv[1], "-o", sys.argv[2], "--keep-from", sys.argv[3], "--no-report"])
+"""
+
+
+def test_endless_fifo_corpus_streams_in_constant_memory_and_stops_on_ctrl_c(tiny_export, tmp_path):
+    """A FIFO that never ends: progress lines (not a TTY), flat memory, and Ctrl-C ends it promptly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    fifo = tmp_path / "endless"
+    os.mkfifo(fifo)
+    stop = threading.Event()
+
+    def writer():
+        with open(fifo, "wb") as f:
+            line = b"the quick brown fox jumps over the lazy dog\n" * 2000
+            try:
+                while not stop.is_set():
+                    f.write(line)
+            except BrokenPipeError:
+                pass
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    p = subprocess.Popen(
+        [sys.executable, "-c", ENDLESS, str(tiny_export), str(tmp_path / "out"), str(fifo)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    lines, rss = [], []
+    try:
+        while len(lines) < 6:
+            line = p.stderr.readline()
+            assert line, "the process ended before printing progress"
+            if line.startswith("trim-vocab: counted"):
+                lines.append(line)
+                rss.append(int(Path(f"/proc/{p.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=30)
+        stopped_after = time.monotonic() - t0
+    finally:
+        stop.set()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0 and not (tmp_path / "out").exists()
+    assert stopped_after < 5, stopped_after  # ~40 s before (one encode of the whole corpus)
+    assert rss[-1] < rss[1] + (64 << 20), rss  # flat: the corpus is never held
+    assert "MB" in lines[-1]

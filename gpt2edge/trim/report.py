@@ -49,6 +49,7 @@ def compare_trimmed(
     """The report from two (T, V) log-prob matrices (-inf on dropped ids) over the same stream, and the greedy
     continuations of both sides from each prompt length in `starts` (as gpt2edge.quality.compare)."""
     from gpt2edge.quality import greedy_fields
+
     ref = ref_lp.astype(np.float64)
     var = var_lp.astype(np.float64)
     V = ref.shape[1]
