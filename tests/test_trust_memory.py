@@ -213,3 +213,89 @@ def test_endless_fifo_corpus_streams_in_constant_memory_and_stops_on_ctrl_c(tiny
     assert stopped_after < 5, stopped_after  # ~40 s before (one encode of the whole corpus)
     assert rss[-1] < rss[1] + (64 << 20), rss  # flat: the corpus is never held
     assert "MB" in lines[-1]
+
+
+# --- huge and endless text inputs: score, generate -f, --text -----------------------------------------------
+
+
+def _endless_fifo(path):
+    """A FIFO whose writer never stops (until the reader goes away); returns the stop event."""
+    import os
+    import threading
+
+    os.mkfifo(path)
+    stop = threading.Event()
+
+    def writer():
+        try:
+            with open(path, "wb") as f:
+                while not stop.is_set():
+                    f.write(b"an endless line of text\n" * 4096)
+        except (BrokenPipeError, OSError):
+            pass
+
+    threading.Thread(target=writer, daemon=True).start()
+    return stop
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "fifo", "big"])
+@pytest.mark.parametrize("command", ["score", "generate -f"])
+def test_huge_or_endless_text_is_refused_after_a_bounded_read(tiny_export, tmp_path, monkeypatch, source, command):
+    from gpt2edge import input_limits, prompt_input
+
+    monkeypatch.setattr(input_limits, "MAX_SCORE_BYTES", 1 << 20)
+    monkeypatch.setattr(prompt_input, "MAX_PROMPT_BYTES", 1 << 20)
+    stop = None
+    if source == "fifo":
+        path = tmp_path / "fifo"
+        stop = _endless_fifo(path)
+    elif source == "big":
+        path = tmp_path / "big.txt"
+        path.write_bytes(b"hello world\n" * 200_000)  # 2.4 MB: over the (patched) limit
+    else:
+        path = source
+    args = (
+        ["score", str(tiny_export), str(path)]
+        if command == "score"
+        else ["generate", str(tiny_export), "-f", str(path)]
+    )
+    try:
+        r = CliRunner().invoke(main, args)
+    finally:
+        if stop is not None:
+            stop.set()
+    assert r.exit_code == 1, r.output
+    assert r.stderr.startswith("error: ") and "holds more than 1 MB (reading stopped there)" in r.stderr, r.stderr
+
+
+def test_score_and_prompt_stdin_are_bounded(tiny_export, monkeypatch):
+    from gpt2edge import input_limits, prompt_input
+
+    monkeypatch.setattr(input_limits, "MAX_SCORE_BYTES", 1000)
+    monkeypatch.setattr(prompt_input, "MAX_PROMPT_BYTES", 1000)
+    big = "word " * 1000
+    for args in (["score", str(tiny_export)], ["generate", str(tiny_export), "-p", "-"]):
+        r = CliRunner().invoke(main, args, input=big)
+        assert r.exit_code == 1 and r.stderr.startswith("error: stdin holds more than 1 kB"), r.stderr
+
+
+def test_report_text_is_cut_at_its_limit_with_a_note(tmp_path, capsys, monkeypatch):
+    from gpt2edge import prompt_input
+
+    monkeypatch.setattr(prompt_input, "MAX_REPORT_TEXT_BYTES", 1000)
+    f = tmp_path / "t.txt"
+    f.write_text("é" * 5000)  # two bytes a character: the cut falls inside one at an odd limit
+    monkeypatch.setattr(prompt_input, "MAX_REPORT_TEXT_BYTES", 1001)
+    text = prompt_input.read_text_file(f)
+    assert text == "é" * 500
+    assert "note: the --text file" in capsys.readouterr().err
+    assert prompt_input.read_text_file("/dev/zero").count("\0") == 1001  # endless: its start only
+
+
+def test_scorer_library_refuses_a_text_over_the_memory(tiny_export, cap):
+    from gpt2edge.runtime.model_folder import ModelFolder
+    from gpt2edge.runtime.score import Scorer
+
+    cap("1M")
+    with pytest.raises(GenerationError, match="Scoring this text would hold about"):
+        Scorer(ModelFolder.open(tiny_export, verify=False)).score("hello world " * 20_000)

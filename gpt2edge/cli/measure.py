@@ -249,6 +249,9 @@ def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
         click.echo(f"{name:<32} {value}")
 
 
+_SCORE_HINT = "score a part of it (e.g. head -c 10M FILE | gpt2edge score MODEL_DIR)."
+
+
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.argument("text_file", default="-", type=click.File("rb"))
@@ -269,13 +272,16 @@ def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
 def score(model_dir, text_file, max_length, stride, method, device, threads, no_verify, as_json) -> None:
     """Log-likelihood and perplexity of the text in TEXT_FILE (default: stdin) under MODEL_DIR."""
     from gpt2edge.errors import GenerationError
+    from gpt2edge.input_limits import MAX_SCORE_BYTES, read_limited
     from gpt2edge.runtime.model_folder import ModelFolder
     from gpt2edge.runtime.score import Scorer
 
     try:
-        text = text_file.read().decode("utf-8")
+        name = getattr(text_file, "name", "<stdin>")
+        what = "stdin" if name in ("<stdin>", "-") else str(name)
+        text = read_limited(text_file, MAX_SCORE_BYTES, what, _SCORE_HINT).decode("utf-8")
     except UnicodeDecodeError as e:
-        raise GenerationError(f"{text_file.name} is not UTF-8 text ({e.reason} at byte {e.start}).") from e
+        raise GenerationError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start}).") from e
     scorer = Scorer(ModelFolder.open(model_dir, verify=not no_verify), device=device, threads=threads)
     result = scorer.score(text, max_length=max_length, stride=stride, method=method)
     if as_json:

@@ -72,3 +72,22 @@ def check_generation_memory(
         "log-prob alternatives, or free memory.",
         GenerationError,
     )
+
+
+# a scored token: its id and log-prob in Python lists, the tokenizer's encoding of it, the float64 array,
+# and its --json entry
+_SCORED_TOKEN_BYTES = 400
+
+
+def check_score_memory(folder: ModelFolder, tokens: int, max_length: int | None = None) -> None:
+    """Refuse scoring a text whose tokens (an upper bound: one per byte of text) would not fit in memory."""
+    d = folder.dims
+    window = min(max_length or folder.n_positions, folder.n_positions)
+    width = folder.info.vocab.kept if folder.info.vocab is not None else d.vocab_size
+    est = Estimate(
+        (
+            (f"{tokens} tokens and their log-probs", _SCORED_TOKEN_BYTES * tokens),
+            (f"a window's log-probs ({window} x {width})", 4 * window * width if folder.head == "all" else 0),
+        )
+    )
+    check_fits(est, "Scoring this text", "score a part of it, or free memory.", GenerationError)
