@@ -12,12 +12,13 @@ ORT-format (.ort) graphs hold their initializers inline and are not parsed here.
 from __future__ import annotations
 
 import mmap
+import os
 import posixpath
 from pathlib import Path
 
 from gpt2edge.errors import ModelFolderError
 from gpt2edge.manifest_fields import shown_path
-from gpt2edge.manifest_records import Manifest
+from gpt2edge.manifest_records import Manifest, check_relpath
 
 # the message fields on the way to a TensorProto: {field number: message kind}
 _MODEL = {7: "graph", 20: "training", 25: "function"}
@@ -139,15 +140,22 @@ def graph_protos(info: Manifest) -> tuple[str, ...]:
     return tuple(dict.fromkeys([info.graph.file, *([s.decode_file] if s is not None else [])]))
 
 
+def _inside(folder: Path, rel: str) -> Path:
+    """folder/rel with symlinks resolved, refused outside the folder (as gpt2edge.manifest.resolve_inside)."""
+    root = os.path.realpath(folder)
+    target = os.path.realpath(os.path.join(root, check_relpath(rel, str(folder))))
+    if target == root or not target.startswith(root + os.sep):
+        raise ModelFolderError(f"{folder}: {shown_path(rel)} points outside the folder (a symlink?); re-export.")
+    return Path(target)
+
+
 def check_external_data(folder: Path, info: Manifest) -> None:
     """Refuse a graph whose external data is not one of the manifest's graph files (each listed with its size
     and sha256, so verified unless the user skips verification): read before ONNX Runtime opens anything."""
-    from gpt2edge.manifest import resolve_inside
-
     allowed = set(info.graph.files) & set(info.files)  # both resolve inside the folder (checked on load)
     for rel in graph_protos(info):
         try:
-            locations = external_locations(resolve_inside(folder, rel))
+            locations = external_locations(_inside(folder, rel))
         except ModelFolderError:
             # not protobuf: ONNX Runtime refuses the whole file and opens nothing else; the checksum or the
             # session says so with its own words

@@ -16,61 +16,17 @@ The rules every command that writes a folder (export, quantize, random-checkpoin
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import shutil
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from gpt2edge.errors import Gpt2EdgeError, OutputExistsError, OutputFolderError
 from gpt2edge.folder_checks import DISK_FULL, check_output_dir, disk_full, is_export_folder, replaceable, write_error
-from gpt2edge.folder_swap import discard_name, signals_deferred
+from gpt2edge.folder_swap import discard_name, rename_noreplace, signals_deferred
 from gpt2edge.folder_temp import clean_stale, make_temp
 from gpt2edge.manifest import current_umask
-
-# --- the final rename -------------------------------------------------------------------------------------
-
-
-def _renameat2() -> Callable | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None  # glibc < 2.28, musl without it
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def rename_noreplace(src: Path, dst: Path) -> None:
-    """Rename folder src to dst, raising FileExistsError if dst exists (os.rename would replace an empty one)."""
-    fn = _renameat2()
-    if fn is not None:
-        AT_FDCWD, RENAME_NOREPLACE = -100, 1
-        if fn(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_NOREPLACE) == 0:
-            return
-        code = ctypes.get_errno()
-        if code in (errno.EEXIST, errno.ENOTEMPTY):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
-        if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise OSError(code, os.strerror(code), str(src), None, str(dst))
-    if os.name == "nt":
-        os.rename(src, dst)  # Windows never replaces
-        return
-    # no renameat2 (or a file system without it): claim the name with mkdir, which fails if anything is there,
-    # then rename onto that empty folder of ours
-    os.mkdir(dst)
-    try:
-        os.rename(src, dst)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.rmdir(dst)
-        if isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst)) from e
-        raise
 
 
 def _restore(old: Path, out: Path) -> Path:

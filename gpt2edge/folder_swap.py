@@ -10,9 +10,13 @@ aside folder back (`restore_stale`) instead of deleting it. A .del- folder is di
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import os
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # what a user or a service manager sends to stop a process; SIGKILL cannot be held back
@@ -43,6 +47,46 @@ def signals_deferred() -> Iterator[None]:
             raise KeyboardInterrupt
 
 
+def _renameat2() -> Callable | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None  # glibc < 2.28, musl without it
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename folder src to dst, raising FileExistsError if dst exists (os.rename would replace an empty one)."""
+    fn = _renameat2()
+    if fn is not None:
+        AT_FDCWD, RENAME_NOREPLACE = -100, 1
+        if fn(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code in (errno.EEXIST, errno.ENOTEMPTY):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise OSError(code, os.strerror(code), str(src), None, str(dst))
+    if os.name == "nt":
+        os.rename(src, dst)  # Windows never replaces
+        return
+    # no renameat2 (or a file system without it): claim the name with mkdir, which fails if anything is there,
+    # then rename onto that empty folder of ours
+    os.mkdir(dst)
+    try:
+        os.rename(src, dst)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.rmdir(dst)
+        if isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst)) from e
+        raise
+
+
 def discard_name(old: Path) -> Path:
     """.OUT.old-TAIL -> .OUT.del-TAIL: the same owner, marked as safe to delete."""
     i = old.name.rfind(".old-")
@@ -52,8 +96,6 @@ def discard_name(old: Path) -> Path:
 def restore_one(old: Path) -> Path | None:
     """Put the folder inside a dead writer's .NAME.old-... back at NAME when NAME is missing; returns where, or
     None when it stays (NAME exists again, or the content is not one folder)."""
-    from gpt2edge.folder import rename_noreplace
-
     try:
         children = list(old.iterdir())
     except OSError:

@@ -21,7 +21,7 @@ from gpt2edge.external_data import external_locations
 from gpt2edge.manifest import file_digest
 from gpt2edge.manifest_records import MANIFEST_NAME
 from gpt2edge.runtime import Generator
-from gpt2edge.runtime.model_folder import ModelFolder
+from gpt2edge.runtime.model.folder import ModelFolder
 
 
 def _manifest(folder: Path) -> dict:

@@ -55,7 +55,7 @@ def test_what_fits_still_runs(gen, cap):
 
 
 def test_the_estimate_scales_with_every_dimension(gen):
-    from gpt2edge.runtime.memory_plan import generation_estimate
+    from gpt2edge.runtime.model.memory_plan import generation_estimate
 
     base = generation_estimate(gen.folder, [[1, 2, 3]], 10).total
     assert generation_estimate(gen.folder, [[1, 2, 3]] * 4, 10).total > 3 * base
@@ -123,7 +123,7 @@ def test_streamed_counts_equal_whole_file_counts(tiny_export, tmp_path, monkeypa
     """Cut at odd block sizes (inside multi-byte characters, inside words): the counts do not change."""
     import numpy as np
 
-    from gpt2edge.runtime.tokenizer import load_tokenizer
+    from gpt2edge.runtime.model.tokenizer import load_tokenizer
     from gpt2edge.trim import corpus
 
     monkeypatch.setattr(corpus, "BLOCK", block)
@@ -293,7 +293,7 @@ def test_report_text_is_cut_at_its_limit_with_a_note(tmp_path, capsys, monkeypat
 
 
 def test_scorer_library_refuses_a_text_over_the_memory(tiny_export, cap):
-    from gpt2edge.runtime.model_folder import ModelFolder
+    from gpt2edge.runtime.model.folder import ModelFolder
     from gpt2edge.runtime.score import Scorer
 
     cap("1M")

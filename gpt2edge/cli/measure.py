@@ -273,7 +273,7 @@ def score(model_dir, text_file, max_length, stride, method, device, threads, no_
     """Log-likelihood and perplexity of the text in TEXT_FILE (default: stdin) under MODEL_DIR."""
     from gpt2edge.errors import GenerationError
     from gpt2edge.input_limits import MAX_SCORE_BYTES, read_limited
-    from gpt2edge.runtime.model_folder import ModelFolder
+    from gpt2edge.runtime.model.folder import ModelFolder
     from gpt2edge.runtime.score import Scorer
 
     try:

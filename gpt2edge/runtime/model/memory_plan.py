@@ -9,7 +9,7 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.memory import Estimate, check_fits
-from gpt2edge.runtime.model_folder import ModelFolder
+from gpt2edge.runtime.model.folder import ModelFolder
 
 # bytes per (row, vocabulary entry) a decode step holds: the graph's (R, V) float32 log-probs, the sampler's
 # or the beam scorer's float copies (processors, softmax, top-p's sort) and int64 sort indices
