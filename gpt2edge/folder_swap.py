@@ -4,7 +4,8 @@ Replacing OUT takes three renames: OUT aside into a marked folder (.OUT.old-...)
 folder to a discard name (.OUT.del-...). Between the first two OUT does not exist, so SIGINT, SIGTERM, SIGHUP and
 SIGQUIT are held back over the three (`signals_deferred`): they are delivered, and act, once the swap is done.
 Only SIGKILL or a power loss can still stop it half-way; then the next write into the same parent puts the
-aside folder back (`restore_stale`) instead of deleting it. A .del- folder is discarded; an .old- one never is.
+aside folder back (`restore_one`, through gpt2edge.folder_temp) instead of deleting it. A .del- folder is
+discarded; an .old- one never is. `rename_noreplace` is the rename that never replaces what is at its target.
 """
 
 from __future__ import annotations

@@ -299,3 +299,14 @@ def test_scorer_library_refuses_a_text_over_the_memory(tiny_export, cap):
     cap("1M")
     with pytest.raises(GenerationError, match="Scoring this text would hold about"):
         Scorer(ModelFolder.open(tiny_export, verify=False)).score("hello world " * 20_000)
+
+
+def test_bench_text_prompts_read_an_endless_file_bounded(gen, monkeypatch):
+    from pathlib import Path
+
+    from gpt2edge import prompt_input
+    from gpt2edge.bench.speculative import text_prompts
+
+    monkeypatch.setattr(prompt_input, "MAX_REPORT_TEXT_BYTES", 1000)
+    (ids,) = text_prompts(gen, (Path("/dev/zero"),), 8)
+    assert len(ids) == 8
