@@ -92,7 +92,7 @@ class _Progress:
             of = f" of {self.total / 1e6:.1f} MB" if self.total else ""
             rate = self.done / 1e6 / max(now - self.start, 1e-9)
             print(
-                f"trim-vocab: counted {self.done / 1e6:.1f} MB{of} in {files} file(s), {rate:.1f} MB/s",
+                f"trim-vocab: counted {self.done / 1e6:.1f} MB{of} ({files} file(s) done), {rate:.1f} MB/s",
                 file=sys.stderr,
                 flush=True,
             )
