@@ -310,3 +310,21 @@ def test_bench_text_prompts_read_an_endless_file_bounded(gen, monkeypatch):
     monkeypatch.setattr(prompt_input, "MAX_REPORT_TEXT_BYTES", 1000)
     (ids,) = text_prompts(gen, (Path("/dev/zero"),), 8)
     assert len(ids) == 8
+
+
+@pytest.mark.parametrize("n_positions", [10**7, 10**12])
+def test_a_session_on_an_absurd_n_positions_is_refused(tiny_export, tmp_path, cap, n_positions):
+    """A session reserves its cache for every position at once: an edited manifest's n_positions is checked."""
+    import json
+    import shutil
+
+    folder = tmp_path / "edited"
+    shutil.copytree(tiny_export, folder)
+    m = json.loads((folder / "manifest.json").read_text())
+    m["dims"]["n_positions"] = n_positions
+    (folder / "manifest.json").write_text(json.dumps(m))
+    cap("256M")
+    with pytest.raises(GenerationError, match=r"A session would hold about .*KV cache 1 rows x"):
+        Generator(folder).session()
+    r = CliRunner().invoke(main, ["generate", str(folder), "-i"], input="hello\n", env={memory.ENV: "256M"})
+    assert r.exit_code == 1 and r.stderr.startswith("error: A session would hold about"), r.stderr

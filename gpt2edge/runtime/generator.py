@@ -26,7 +26,7 @@ from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, check_logprobs
 from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import load_graph
-from gpt2edge.runtime.model.memory_plan import check_generation_memory
+from gpt2edge.runtime.model.memory_plan import check_generation_memory, check_session_memory
 from gpt2edge.runtime.model.pool import LMPool, check_max_contexts
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
 from gpt2edge.runtime.results import GenerationResult, results_of
@@ -281,6 +281,7 @@ class Generator:
     def session(self, *, on_overflow: Callable[[ContextOverflow], None] | None = None) -> Conversation:
         """A conversation that keeps its KV cache across calls: each turn prefills only its new tokens
         (gpt2edge.runtime.conversation). It has its own OrtLM on this Generator's graph."""
+        check_session_memory(self.folder)  # its cache is reserved for all n_positions at once
         return Conversation(self, self.graph.new_lm(self._pool.io_binding), on_overflow=on_overflow)
 
     def _state(

@@ -74,6 +74,15 @@ def check_generation_memory(
     )
 
 
+def check_session_memory(folder: ModelFolder) -> None:
+    """A conversation reserves one row for all n_positions at once (and an int64 mask as long): refused when a
+    folder's n_positions (an edited manifest may say 10^12) would not fit."""
+    n = folder.n_positions
+    est = generation_estimate(folder, [[0]], n)
+    est = Estimate((*est.parts, (f"attention mask of {n} positions", 8 * n)))
+    check_fits(est, "A session", f"the folder's n_positions ({n}) is more than this machine can hold.", GenerationError)
+
+
 # a scored token: its id and log-prob in Python lists, the tokenizer's encoding of it, the float64 array,
 # and its --json entry
 _SCORED_TOKEN_BYTES = 400
