@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import resource
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +68,10 @@ def _cgroup_headroom() -> int | None:
 
 
 def _address_space_left() -> int | None:
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return None
     try:
         soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     except (OSError, ValueError):
