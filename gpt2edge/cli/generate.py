@@ -70,7 +70,7 @@ def generate(
     JSONL. Ctrl-C stops, prints what was generated, says [interrupted] on stderr and exits with status 130.
     """
     from gpt2edge.cli.escapes import process_escapes
-    from gpt2edge.prompt_input import collect_prompts
+    from gpt2edge.prompt_input import collect_prompts, read_prompt_file
     from gpt2edge.runtime import Generator
     from gpt2edge.runtime.decoding.beam import search_params
 
@@ -79,7 +79,7 @@ def generate(
     _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping)
     try:
         # prompts are read and checked before the model is loaded
-        read_stdin = lambda: sys.stdin.buffer.read()  # noqa: E731
+        read_stdin = lambda: read_prompt_file(sys.stdin.buffer)  # noqa: E731  (bounded: stdin may never end)
         # -i without -p starts from an empty context (its turns come from stdin)
         if escape:  # llama.cpp's -e: "\\n" typed in -p / --stop means a newline
             prompts = tuple(p if p == "-" else process_escapes(p) for p in prompts)
