@@ -34,7 +34,6 @@ from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 from gpt2edge.runtime.model.columns import forward_columns
 from gpt2edge.runtime.model.lm import OrtLM
-from gpt2edge.runtime.model.reserve import check_session_reservation
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 from gpt2edge.runtime.results import GenerationResult, results_of
 
@@ -94,7 +93,6 @@ class Conversation:
         self.lm = lm
         self.n_positions = lm.n_positions
         self.on_overflow = on_overflow
-        check_session_reservation(lm)  # before the mask and cache below are allocated
         self._history: list[int] = []
         self._mask = np.ones((1, self.n_positions), dtype=np.int64)  # batch 1, no padding: every position is real
         self._cache_valid = False  # False: rebuild the cache from the history before the next turn
