@@ -7,6 +7,7 @@ quality report scores a few hundred tokens, is cut at its limit with a note sayi
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 from typing import BinaryIO
@@ -22,12 +23,16 @@ _READ = 1 << 20
 def read_capped(f: BinaryIO, limit: int) -> tuple[bytes, bool]:
     """At most `limit` bytes of the stream, and whether more followed (one byte past the limit is read)."""
     chunks, n = [], 0
+    buffered = isinstance(f, io.BufferedIOBase)  # its read(k) returns fewer than k bytes only at end of input
     while n <= limit:
-        block = f.read(min(_READ, limit + 1 - n))
+        want = min(_READ, limit + 1 - n)
+        block = f.read(want)
         if not block:
             break
         chunks.append(block)
         n += len(block)
+        if buffered and len(block) < want:  # ended: on a terminal another read would wait for a second Ctrl-D
+            break
     data = b"".join(chunks)
     return data[:limit], len(data) > limit
 

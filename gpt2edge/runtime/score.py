@@ -156,6 +156,8 @@ class Scorer:
     def score(
         self, text: str, max_length: int | None = None, stride: int | None = None, method: str = "auto"
     ) -> ScoreResult:
+        text = text_arg(text, "text")  # a TypeError names a wrong type
+        max_length, stride = int_arg(max_length, "max_length"), int_arg(stride, "stride")
         # real text runs 2-4 bytes a token: checked before the tokenizer holds them all
         check_score_memory(self.folder, len(text.encode("utf-8", "surrogatepass")) // 2, max_length)
         return self.score_ids(self.encode(text), max_length, stride, method)
