@@ -33,6 +33,7 @@ from gpt2edge.runtime.tokenizer import TextTokenizer  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.app import create_app  # noqa: E402
 from gpt2edge.serve.batch import advance, take_batch  # noqa: E402
+from gpt2edge.serve.continuous import ContinuousScheduler  # noqa: E402
 from gpt2edge.serve.jobs import Job, Piece, Sampling  # noqa: E402
 from gpt2edge.serve.rowtext import RowText  # noqa: E402
 from gpt2edge.serve.scheduler import Scheduler  # noqa: E402
@@ -65,13 +66,28 @@ class SlowGenerator(Generator):
         return super().generate(prompt, callback=slow, **kw)
 
 
+class SlowContinuous(ContinuousScheduler):
+    """A continuous scheduler whose decode steps take at least `delay` seconds."""
+
+    delay = 0.0
+
+    def _run_next(self) -> bool:
+        time.sleep(self.delay)
+        return super()._run_next()
+
+
 @contextmanager
 def running(model_dir: Path, delay: float = 0.0, **limits):
-    """A real uvicorn server on a thread; yields (url, scheduler); stopped on exit."""
+    """A real uvicorn server on a thread (continuous batching unless scheduler="next-batch"); yields
+    (url, scheduler); stopped on exit."""
     config = ServeConfig(model_name="tiny", **limits)
-    gen = SlowGenerator(model_dir)
-    gen.delay = delay
-    scheduler = Scheduler(gen, config)
+    if config.scheduler == "continuous":
+        scheduler = SlowContinuous(Generator(model_dir), config)
+        scheduler.delay = delay
+    else:
+        gen = SlowGenerator(model_dir)
+        gen.delay = delay
+        scheduler = Scheduler(gen, config)
     with BackgroundServer(create_app(lambda: scheduler, config)) as url:
         yield url, scheduler
 

@@ -77,7 +77,9 @@ def create_app(load: Callable[[], Scheduler], config: ServeConfig) -> FastAPI:
         req = parse_request(await read_body(request, config.max_body_bytes))
         tok = scheduler.tokenizer
         # encoding a long prompt takes milliseconds: off the event loop
-        plan = await anyio.to_thread.run_sync(plan_request, req, config, scheduler.n_positions, tok.encode)
+        plan = await anyio.to_thread.run_sync(
+            plan_request, req, config, scheduler.n_positions, scheduler.encode, scheduler.max_rows
+        )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -88,7 +90,8 @@ def create_app(load: Callable[[], Scheduler], config: ServeConfig) -> FastAPI:
                 pass
 
         job = Job(
-            plan.prompts, plan.prompt_lens, plan.n, plan.max_tokens, plan.sampling, plan.stop, emit, tok, plan.logprobs
+            plan.prompts, plan.prompt_lens, plan.n, plan.max_tokens, plan.sampling, plan.stop, emit, tok, plan.logprobs,
+            plan.prompt_ids,
         )
         try:
             _submit(scheduler, job)

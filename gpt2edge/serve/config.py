@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from gpt2edge.errors import ServeError
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences per request
+SCHEDULERS = ("continuous", "next-batch")
 MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` (the top alternatives reported per token)
 
 
@@ -25,6 +26,7 @@ class ServeConfig:
     max_n: int = 8
     max_body_bytes: int = 1 << 20
     batch_wait_ms: float = 50.0
+    scheduler: str = "continuous"  # or "next-batch" (the comparison baseline; see serve/continuous.py)
 
     def __post_init__(self) -> None:
         # each bound named with the flag that sets it, before any model is loaded
@@ -38,5 +40,7 @@ class ServeConfig:
             raise ServeError(f"--max-n must be >= 1, got {self.max_n}.")
         if self.max_body_bytes < 1024:
             raise ServeError(f"--max-body-kb must be >= 1, got {self.max_body_bytes / 1024:g}.")
+        if self.scheduler not in SCHEDULERS:
+            raise ServeError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}.")
         if not 0 <= self.batch_wait_ms <= 1000:
             raise ServeError(f"--batch-wait-ms must be in [0, 1000], got {self.batch_wait_ms}.")

@@ -93,6 +93,7 @@ class Job:
     emit: Callable[[Event], None]
     tokenizer: Decoder
     logprobs: int | None = None  # OpenAI's logprobs: report each token's log-prob and its top N
+    prompt_ids: Sequence[Sequence[int]] | None = None  # each prompt's token ids, when already encoded
     id: int = field(default_factory=lambda: next(_ids))
     created: float = field(default_factory=time.monotonic)
     rows: list[Row] = field(init=False)

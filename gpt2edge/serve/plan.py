@@ -16,6 +16,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class Plan:
     prompts: list[str]
     prompt_lens: list[int]
+    prompt_ids: list[list[int]]
     n: int
     max_tokens: int
     sampling: Sampling
@@ -98,8 +99,11 @@ def plan_request(
     config: ServeConfig,
     n_positions: int,
     encode: Callable[[str], list[int]],
+    max_rows: int | None = None,
 ) -> Plan:
-    """Check the request against the model (name, positions) and the server's limits; encode the prompts."""
+    """Check the request against the model (name, positions, a static graph's rows: max_rows) and the server's
+    limits; encode the prompts (`encode` gives an empty prompt its start token)."""
+    max_rows = config.max_batch if max_rows is None else max_rows
     if req.model is not None and req.model != config.model_name:
         raise ApiError(
             404,
@@ -114,18 +118,20 @@ def plan_request(
     prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
     if not prompts:
         raise ApiError(400, "prompt must not be an empty list.", "prompt", "invalid_value")
-    if len(prompts) * n > config.max_batch:
+    if len(prompts) * n > max_rows:
+        why = "" if max_rows == config.max_batch else " (its static graph's batch)"
         raise ApiError(
             400,
             f"This request asks for {len(prompts) * n} completions ({len(prompts)} prompt(s) x n={n}); this server "
-            f"decodes at most {config.max_batch} per request. Split it into several requests.",
+            f"decodes at most {max_rows} per request{why}. Split it into several requests.",
             "n",
             "invalid_value",
         )
     _check_logprobs(req)
     stop = _stop_strings(req.stop)
     max_tokens = _max_tokens(req, n_positions)
-    lens = [len(encode(p)) or 1 for p in prompts]  # an empty prompt starts from <|endoftext|>
+    ids = [list(encode(p)) or [0] for p in prompts]  # (encode gives an empty prompt its start token)
+    lens = [len(i) for i in ids]
     for i, plen in enumerate(lens):
         if plen + max_tokens > n_positions:
             which = "The prompt" if len(prompts) == 1 else f"Prompt {i}"
@@ -140,4 +146,4 @@ def plan_request(
     top_p = 1.0 if req.top_p is None else req.top_p
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=req.seed, ignore_eos=req.ignore_eos)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Plan(prompts, lens, n, max_tokens, sampling, stop, req.stream, include_usage, req.echo, req.logprobs)
+    return Plan(prompts, lens, ids, n, max_tokens, sampling, stop, req.stream, include_usage, req.echo, req.logprobs)

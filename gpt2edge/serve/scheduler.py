@@ -39,6 +39,7 @@ class SchedulerStats:
     rejected: int = 0  # 429s
     dropped_rows: int = 0  # rows whose client left mid-decode (freed at the next step)
     dropped_waiting: int = 0  # queued requests whose client left (never decoded)
+    steps: int = 0  # decode steps (continuous batching)
 
 
 class Scheduler:
@@ -47,7 +48,9 @@ class Scheduler:
     def __init__(self, generator, config: ServeConfig) -> None:
         self.generator = generator
         self.config = config
+        # a --static graph runs at most its batch of rows, each within its cache capacity
         self.n_positions = int(generator.lm.n_positions)
+        self.max_rows = min(config.max_batch, int(getattr(generator.lm, "batch", config.max_batch)))
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
@@ -63,12 +66,17 @@ class Scheduler:
         cls, model_dir: str | Path, config: ServeConfig, device: str = "cpu", threads: int | None = None, verify=True
     ) -> Scheduler:
         from gpt2edge.runtime import Generator
+        from gpt2edge.serve.continuous import make_scheduler
 
-        return cls(Generator(model_dir, device=device, threads=threads, verify=verify), config)
+        return make_scheduler(Generator(model_dir, device=device, threads=threads, verify=verify), config)
 
     @property
     def tokenizer(self):
         return self.generator.tokenizer
+
+    def encode(self, prompt: str) -> list[int]:
+        """A prompt's token ids; GPT-2 starts an empty one from <|endoftext|>, as the runtime does."""
+        return self.generator.tokenizer.encode(prompt) or [int(self.generator.bos_token_id)]
 
     def start(self) -> None:
         self._thread.start()
@@ -123,7 +131,7 @@ class Scheduler:
             self._stats.rows_served += n
             self._stats.largest_batch = max(self._stats.largest_batch, n)
             self._stats.dropped_rows += sum(r.dropped for j in jobs for r in j.rows)
-            self._expect = min(self.config.max_batch, n + self._rows_waiting())
+            self._expect = min(self.max_rows, n + self._rows_waiting())
         return True
 
     def _next_batch(self) -> list[Job] | None:
@@ -148,7 +156,7 @@ class Scheduler:
             # waiting up to 5 % of the previous batch's time costs at most 5 % of throughput, and lets a cohort of
             # clients on a busy host (slow to resend) catch up with the rest
             deadline = time.monotonic() + max(self.config.batch_wait_ms / 1e3, FILL_SHARE * self._last_batch_s)
-            while not self._closing and (rows := self._rows_waiting()) < self.config.max_batch:
+            while not self._closing and (rows := self._rows_waiting()) < self.max_rows:
                 now = time.monotonic()
                 if now >= deadline or (rows >= expected and now - self._last_arrival >= quiet):
                     break
@@ -157,7 +165,7 @@ class Scheduler:
             self._drop_cancelled()
             if self._closing or not self._waiting:
                 return None if self._closing else []
-            self._running = take_batch(self._waiting, self.config.max_batch, self.n_positions)
+            self._running = take_batch(self._waiting, self.max_rows, self.n_positions)
             return self._running
 
     def _rows_waiting(self) -> int:
