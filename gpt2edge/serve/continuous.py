@@ -27,6 +27,7 @@ from gpt2edge.runtime.slots import SlotLM
 from gpt2edge.serve.batch import advance, fail
 from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.jobs import Job, Row
+from gpt2edge.serve.penalties import RowPenalties
 from gpt2edge.serve.scheduler import Scheduler
 
 log = logging.getLogger("gpt2edge.serve")
@@ -44,6 +45,7 @@ class _Live:
     recorder: LogprobRecorder | None
     seen: list[np.ndarray]  # per row of the job: prompt + generated ids (read by history processors)
     in_cache: list[bool]  # per row of the job: holds a cache row now
+    extras: list[RowPenalties] | None = None  # per row: penalties, logit_bias, stop_token_ids (when asked)
 
     @property
     def running(self) -> bool:
@@ -52,6 +54,8 @@ class _Live:
 
 class ContinuousScheduler(Scheduler):
     """Scheduler's interface (submit, start, stop, stats); one thread owns the Generator's graph and a SlotLM."""
+
+    row_extras = True
 
     def __init__(self, generator, config: ServeConfig) -> None:
         super().__init__(generator, config)
@@ -112,6 +116,9 @@ class ContinuousScheduler(Scheduler):
             ids = [self._prompt_ids(job, row) for row in job.rows]
             seen = [np.asarray(p, dtype=np.int64) for p in ids]
             live = _Live(job, params, rng, recorder, seen, [True] * len(job.rows))
+            if job.sampling.row_extras:
+                width = self.slots.columns.width if self.slots.columns is not None else int(gen.graph.vocab_size)
+                live.extras = [RowPenalties(job.sampling, width, self.slots.columns) for _ in job.rows]
             self._live.append(live)
             for i in range(len(job.rows)):
                 self._cache_rows.append((live, i))
@@ -144,14 +151,17 @@ class ContinuousScheduler(Scheduler):
                         live.rng.random()
                     continue
                 scores = lp[j : j + 1]
-                token = int(next_tokens(scores, live.params, [live.seen[i]], row.n_tokens, live.rng, columns)[0])
+                adjusted = scores if live.extras is None else live.extras[i].apply(scores, row.n_tokens)
+                token = int(next_tokens(adjusted, live.params, [live.seen[i]], row.n_tokens, live.rng, columns)[0])
+                if live.extras is not None:
+                    live.extras[i].push(token)
                 record = None
                 if live.recorder is not None:
                     record = live.recorder.record(scores, np.array([token]), [True], columns)[0]
                     live.recorder.rows[0].clear()  # the row keeps its own records (Row.logprobs)
                 if live.params.uses_history:
                     live.seen[i] = np.append(live.seen[i], token)
-                eos = token in live.params.eos_token_id
+                eos = token in live.params.eos_token_id or token in live.job.sampling.stop_token_ids
                 if not row.done and not live.job.cancelled:
                     advance(row, token, "eos" if eos else None, record)
                 self._pending[cache_rows[j]] = token

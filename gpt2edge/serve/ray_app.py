@@ -66,6 +66,7 @@ _CONFIG_ARGS: dict[str, Callable[[str], Any]] = {
     "max_queue": int,
     "max_n": int,
     "batch_wait_ms": float,
+    "scheduler": str,
 }
 _REPLICA_ARGS: dict[str, Callable[[Any], Any]] = {
     "device": str,
@@ -77,7 +78,7 @@ _REPLICA_ARGS: dict[str, Callable[[Any], Any]] = {
 
 def app_builder(args: dict[str, Any]):
     """Application builder for Ray's CLI and config files: `args` holds model_dir and optional server limits
-    (model_name, max_batch, max_queue, max_n, max_body_kb, batch_wait_ms, device, threads, verify,
+    (model_name, max_batch, max_queue, max_n, max_body_kb, batch_wait_ms, scheduler, device, threads, verify,
     replica_cpus). Values may be strings (`serve run ... max_batch=16`)."""
     args = dict(args)
     model_dir = args.pop("model_dir", None)

@@ -17,6 +17,7 @@ from pathlib import Path
 from gpt2edge.serve.batch import fail, run_batch, take_batch
 from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.jobs import Job
+from gpt2edge.serve.plan import ModelLimits
 
 FILL_SHARE = 0.05  # a new batch may wait this share of the previous batch's decode time for its rows
 
@@ -40,10 +41,13 @@ class SchedulerStats:
     dropped_rows: int = 0  # rows whose client left mid-decode (freed at the next step)
     dropped_waiting: int = 0  # queued requests whose client left (never decoded)
     steps: int = 0  # decode steps (continuous batching)
+    draining: bool = False  # shutdown has begun: new requests get 503
 
 
 class Scheduler:
     """submit() from any thread (cheap, never blocks); one daemon thread decodes."""
+
+    row_extras = False  # per-row penalties, logit_bias, stop_token_ids: the continuous scheduler's
 
     def __init__(self, generator, config: ServeConfig) -> None:
         self.generator = generator
@@ -74,6 +78,10 @@ class Scheduler:
     def tokenizer(self):
         return self.generator.tokenizer
 
+    def limits(self) -> ModelLimits:
+        vocab = int(self.generator.graph.vocab_size)
+        return ModelLimits(self.n_positions, self.max_rows, vocab, self.encode, self.row_extras)
+
     def encode(self, prompt: str) -> list[int]:
         """A prompt's token ids; GPT-2 starts an empty one from <|endoftext|>, as the runtime does."""
         return self.generator.tokenizer.encode(prompt) or [int(self.generator.bos_token_id)]
@@ -81,9 +89,14 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
+    def drain(self) -> None:
+        """Refuse new jobs (ServerClosed: 503) while the queued and running ones go on (a graceful shutdown)."""
+        with self._cond:
+            self._stats.draining = True
+
     def submit(self, job: Job) -> None:
         with self._cond:
-            if self._closing:
+            if self._closing or self._stats.draining:
                 raise ServerClosed
             if len(self._waiting) >= self.config.max_queue:
                 self._stats.rejected += 1
