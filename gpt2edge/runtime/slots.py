@@ -20,6 +20,8 @@ past) and shared (one (R, nh, capacity, hs) buffer per tensor, bound as past and
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from gpt2edge.errors import GenerationError
@@ -54,6 +56,8 @@ class SlotLM:
         self.relayouts = 0  # re-packs and shifts (a copy of the live rows each)
         self._storage: np.ndarray | None = None
         self._src = 0  # concat: the ping-pong slot holding the past
+        # seconds spent so far: newcomers' prefill runs, copying their keys/values in, shifts and re-packs
+        self.seconds = {"prefill": 0.0, "join_copy": 0.0, "relayout": 0.0, "step": 0.0}
 
     @property
     def free_rows(self) -> int:
@@ -86,6 +90,7 @@ class SlotLM:
         if capacity is None and (new_len == P or k == 0):
             self.past_len = new_len  # nothing to move
             return
+        t0 = time.perf_counter()
         src_storage, src = self._storage, self._src
         if capacity is not None:
             dst_storage, dst, new_cap = self._alloc(capacity), 0, capacity
@@ -99,6 +104,7 @@ class SlotLM:
                 new[i, :, new_len - n :] = old[i, :, P - n : P]
         self._storage, self._src, self.capacity, self.past_len = dst_storage, dst, new_cap, new_len
         self.relayouts += 1
+        self.seconds["relayout"] += time.perf_counter() - t0
 
     def _make_room(self, needed: int) -> None:
         """Make the shared length `needed` fit: re-pack, or grow the positions (up to n_positions)."""
@@ -118,7 +124,9 @@ class SlotLM:
             raise GenerationError(f"{n} rows asked for, {self.free_rows} free.")
         lens = [len(p) for p in prompts]
         L = max(lens)
+        t0 = time.perf_counter()
         lp, presents = self._prefill(prompts, pad_id)
+        self.seconds["prefill"] += time.perf_counter() - t0
         # the running rows first shifted (or re-packed) so that P is at least the longest newcomer
         longest = max(L, int(self.lengths[: self.live].max(initial=0)))
         if self.past_len < L or self._wasteful(longest):
@@ -126,10 +134,12 @@ class SlotLM:
             self._relayout(longest)
         self._make_room(self.past_len + 1)
         P, k = self.past_len, self.live
+        t0 = time.perf_counter()
         for t, present in enumerate(presents):  # (n, nh, L, hs) each, left-padded
             view = self._view(self._storage, self._src, t, k + n, P, self.capacity)
             for j, m in enumerate(lens):
                 view[k + j, :, P - m :] = present[j, :, L - m :]
+        self.seconds["join_copy"] += time.perf_counter() - t0
         self.lengths[k : k + n] = lens
         self.live = k + n
         return lp
@@ -205,8 +215,10 @@ class SlotLM:
                 src_ptr, dst_ptr = self._storage[self._src, t].ctypes.data, self._storage[dst, t].ctypes.data
                 b.bind_input(past, "cpu", 0, t_type, [k, self.nh, P, self.hs], src_ptr)
                 b.bind_output(present, "cpu", 0, t_type, [k, self.nh, P + 1, self.hs], dst_ptr)
+        t0 = time.perf_counter()
         with run_errors(self.graph.folder.graph_path):
             self.graph.session.run_with_iobinding(b, self.graph.run_options)
+        self.seconds["step"] += time.perf_counter() - t0
         self._src = dst
         self.past_len = P + 1
         self.lengths[:k] += 1

@@ -203,6 +203,8 @@ class ContinuousScheduler(Scheduler):
         out = super().stats()
         with self._cond:
             out["running"] = len(self._cache_rows)
+        out.update({f"cache_{k}_s": round(v, 4) for k, v in self.slots.seconds.items()})
+        out["cache_relayouts"] = self.slots.relayouts
         return out
 
 
