@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -212,6 +213,7 @@ def summarize(levels: list[Level]) -> list[dict]:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the server it started too
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", nargs="?", help="export folder to serve (else --url)")
     ap.add_argument("--url", help="a running server instead of starting one")

@@ -7,8 +7,9 @@ freeing a row moves the last live row into its place (one copy of that row's own
 
 join(prompts): the newcomers are prefilled together with an empty past (left-padded: one batched run, on either
 graph kind; the shared-cache graph's batched prefill *with* a past would run row by row), and their keys and
-values are copied into free rows at slots P - L .. P - 1. The copy costs about 1 % of the prefill it follows
-(benchmarks/README.md, "Continuous batching"). A newcomer longer than P shifts the running rows right first.
+values are copied into free rows at slots P - L .. P - 1 (benchmarks/slot_join.py times this against the
+shared graph's other correct way, each newcomer prefilled alone in place on its row: benchmarks/README.md). A
+newcomer longer than P shifts the running rows right first.
 
 Rows are allocated once (`rows` of them); positions grow on demand up to the graph's n_positions, and when the
 shared length P runs ahead of the longest row (finished long rows leave short ones behind, every decode step
@@ -135,8 +136,12 @@ class SlotLM:
         self._make_room(self.past_len + 1)
         P, k = self.past_len, self.live
         t0 = time.perf_counter()
+        same = all(m == L for m in lens)
         for t, present in enumerate(presents):  # (n, nh, L, hs) each, left-padded
             view = self._view(self._storage, self._src, t, k + n, P, self.capacity)
+            if same:  # one copy for all newcomers (equal lengths: no padding to skip)
+                view[k : k + n, :, P - L :] = present
+                continue
             for j, m in enumerate(lens):
                 view[k + j, :, P - m :] = present[j, :, L - m :]
         self.seconds["join_copy"] += time.perf_counter() - t0

@@ -35,6 +35,7 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     batch_wait_ms: float = 50.0
     scheduler: str = "continuous"
+    prefill_tokens: int = 256  # continuous: prompt tokens admitted per decode step (the first request always)
     max_buffered_events: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
@@ -61,6 +62,8 @@ class ServeConfig:
             raise ServeError(f"--batch-wait-ms must be in [0, 1000], got {self.batch_wait_ms}.")
         if self.scheduler not in SCHEDULERS:
             raise ServeError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}.")
+        if self.prefill_tokens < 1:
+            raise ServeError(f"--prefill-tokens must be >= 1, got {self.prefill_tokens}.")
         if self.max_buffered_events < 1:
             raise ServeError(f"max_buffered_events must be >= 1, got {self.max_buffered_events}.")
         for flag, value in (("--header-timeout", self.header_timeout_s), ("--body-timeout", self.body_timeout_s),

@@ -2,8 +2,11 @@
 
 The rule, once per decode step: rows whose request ended (or whose client left) free their cache row; waiting
 requests are admitted oldest first while their rows fit the free cache rows (a request's n x prompts rows join
-together), prefilled together into those rows, and sample their first token; then every live row decodes one
-token. So a newcomer waits at most one decode step plus its prefill, not for the whole batch (the next-batch
+together) while their prompt tokens stay within --prefill-tokens (the first always joins), prefilled together
+into those rows, and sample their first token; then every live row decodes one token. The prefill budget keeps
+a burst of newcomers from stalling the running rows for one long prefill, and staggers their ends, so later
+arrivals join a few at a time (a closed-loop burst of 64 equal requests would otherwise run as lockstep cohorts:
+next-batch again). So a newcomer waits at most one decode step plus its prefill, not for the whole batch (the next-batch
 Scheduler, kept selectable with --scheduler next-batch, makes it wait for every row of the running batch).
 
 Rows are independent: each keeps its own SamplingParams, and each request its own random generator, drawn in
@@ -32,7 +35,6 @@ from gpt2edge.serve.scheduler import Scheduler
 
 log = logging.getLogger("gpt2edge.serve")
 
-PREFILL_BUDGET = 2048  # prompt tokens admitted per step beyond the first request: bounds the others' stall
 
 
 @dataclass(eq=False)
@@ -95,7 +97,7 @@ class ContinuousScheduler(Scheduler):
                 if self._waiting or self._cache_rows:
                     break
                 self._cond.wait()
-            free, budget, jobs = self.slots.free_rows, PREFILL_BUDGET, []
+            free, budget, jobs = self.slots.free_rows, self.config.prefill_tokens, []
             while self._waiting and len(self._waiting[0].rows) <= free and (not jobs or budget > 0):
                 job = self._waiting.popleft()
                 free -= len(job.rows)

@@ -67,6 +67,7 @@ _CONFIG_ARGS: dict[str, Callable[[str], Any]] = {
     "max_n": int,
     "batch_wait_ms": float,
     "scheduler": str,
+    "prefill_tokens": int,
 }
 _REPLICA_ARGS: dict[str, Callable[[Any], Any]] = {
     "device": str,
