@@ -129,11 +129,7 @@ class SlotLM:
         lp, presents = self._prefill(prompts, pad_id)
         self.seconds["prefill"] += time.perf_counter() - t0
         # the running rows first shifted (or re-packed) so that P is at least the longest newcomer
-        longest = max(L, int(self.lengths[: self.live].max(initial=0)))
-        if self.past_len < L or self._wasteful(longest):
-            self._make_room(longest + 1)
-            self._relayout(longest)
-        self._make_room(self.past_len + 1)
+        self._fit(L, max(L, int(self.lengths[: self.live].max(initial=0))))
         P, k = self.past_len, self.live
         t0 = time.perf_counter()
         same = all(m == L for m in lens)
@@ -168,6 +164,15 @@ class SlotLM:
             self.past_len = 0
         return moved
 
+    def _fit(self, minimum: int, longest: int) -> None:
+        """Before a join or a step: P at least `minimum` (the longest newcomer), P + 1 within the model's positions
+        (the step writes slot P), the masked slots before the rows bounded; then room for slot P allocated."""
+        P = self.past_len
+        if P < minimum or P + 1 > self.n_positions or self._wasteful(longest):
+            self._make_room(longest + 1)
+            self._relayout(longest)
+        self._make_room(self.past_len + 1)
+
     def _wasteful(self, longest: int) -> bool:
         waste = self.past_len - longest
         return waste > REPACK_WASTE and 4 * waste > self.past_len
@@ -193,10 +198,7 @@ class SlotLM:
         k = self.live
         if len(tokens) != k or k == 0:
             raise ValueError(f"step needs one token per live row ({k}), got {len(tokens)}")
-        longest = int(self.lengths[:k].max())
-        if self._wasteful(longest) or self.past_len + 1 > self.n_positions:
-            self._relayout(longest)
-        self._make_room(self.past_len + 1)
+        self._fit(0, int(self.lengths[:k].max()))
         P, cap = self.past_len, self.capacity
         mask = (np.arange(P + 1)[None, :] >= (P - self.lengths[:k])[:, None]).astype(np.int64)  # (k, P+1)
         inputs = {
