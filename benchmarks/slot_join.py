@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from gpt2edge.runtime import Generator
-from gpt2edge.runtime.slots import SlotLM
+from gpt2edge.runtime.model.slots import SlotLM
 
 LOCK = os.environ.get("BENCH_LOCK", "/tmp/bench.lock")
 

@@ -1,4 +1,4 @@
-"""SlotLM (gpt2edge.runtime.slots): rows join a running batch's cache, decode with it and leave; each row's
+"""SlotLM (gpt2edge.runtime.model.slots): rows join a running batch's cache, decode with it and leave; each row's
 greedy tokens are exactly the ones it gets alone, on both graph kinds, through shifts, re-packs and growth."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime import Generator
-from gpt2edge.runtime.slots import SlotLM
+from gpt2edge.runtime.model.slots import SlotLM
 
 GREEDY = dict(min_new_tokens=0, top_k=0, repetition_penalty=1.0, do_sample=False, ignore_eos=True)
 TEXTS = [

@@ -12,21 +12,22 @@ Scheduler, kept selectable with --scheduler next-batch, makes it wait for every 
 Rows are independent: each keeps its own SamplingParams, and each request its own random generator, drawn in
 the order the runtime draws them for that request alone (one uniform per row of the request per step, finished
 rows included while any row of it runs): a seeded request gives the runtime's text for that seed, whoever
-else is being served. Greedy rows get the tokens they get alone (the cache rows: gpt2edge.runtime.slots).
+else is being served. Greedy rows get the tokens they get alone (the cache rows: gpt2edge.runtime.model.slots).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from gpt2edge.errors import Gpt2EdgeError
-from gpt2edge.runtime.lm import OrtGraph
-from gpt2edge.runtime.logprobs import LogprobRecorder
-from gpt2edge.runtime.sampling import SamplingParams, next_tokens
-from gpt2edge.runtime.slots import SlotLM
+from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
+from gpt2edge.runtime.decoding.sampling import SamplingParams, next_tokens
+from gpt2edge.runtime.model.lm import OrtGraph
+from gpt2edge.runtime.model.slots import SlotLM
 from gpt2edge.serve.batch import advance, fail
 from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.jobs import Job, Row
@@ -208,6 +209,15 @@ class ContinuousScheduler(Scheduler):
         out.update({f"cache_{k}_s": round(v, 4) for k, v in self.slots.seconds.items()})
         out["cache_relayouts"] = self.slots.relayouts
         return out
+
+
+def load_scheduler(
+    model_dir: str | Path, config: ServeConfig, device: str = "cpu", threads: int | None = None, verify: bool = True
+) -> Scheduler:
+    """Load the folder's Generator and wrap it in the scheduler config.scheduler names."""
+    from gpt2edge.runtime import Generator
+
+    return make_scheduler(Generator(model_dir, device=device, threads=threads, verify=verify), config)
 
 
 def make_scheduler(generator, config: ServeConfig) -> Scheduler:

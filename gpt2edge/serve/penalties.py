@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpt2edge.runtime.columns import Columns
-from gpt2edge.runtime.processors import NEG_INF, token_columns
+from gpt2edge.runtime.decoding.processors import NEG_INF, token_columns
+from gpt2edge.runtime.model.columns import Columns
 from gpt2edge.serve.jobs import Sampling
 
 

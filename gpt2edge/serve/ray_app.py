@@ -44,9 +44,9 @@ def build_application(
 
     def build_app():  # runs in each replica, which loads the folder when the app starts
         from gpt2edge.serve.app import create_app
-        from gpt2edge.serve.scheduler import Scheduler
+        from gpt2edge.serve.continuous import load_scheduler
 
-        return create_app(lambda: Scheduler.load(model_dir, config, device, threads, verify), config)
+        return create_app(lambda: load_scheduler(model_dir, config, device, threads, verify), config)
 
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,

@@ -12,7 +12,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from gpt2edge.serve.batch import fail, run_batch, take_batch
 from gpt2edge.serve.config import ServeConfig
@@ -64,15 +63,6 @@ class Scheduler:
         self._last_batch_s = 0.0  # how long the previous batch decoded
         self._stats = SchedulerStats()
         self._thread = threading.Thread(target=self._loop, name="gpt2edge-scheduler", daemon=True)
-
-    @classmethod
-    def load(
-        cls, model_dir: str | Path, config: ServeConfig, device: str = "cpu", threads: int | None = None, verify=True
-    ) -> Scheduler:
-        from gpt2edge.runtime import Generator
-        from gpt2edge.serve.continuous import make_scheduler
-
-        return make_scheduler(Generator(model_dir, device=device, threads=threads, verify=verify), config)
 
     @property
     def tokenizer(self):

@@ -22,15 +22,15 @@ from fastapi import FastAPI
 from gpt2edge.errors import ServeError
 from gpt2edge.serve.app import create_app, drain
 from gpt2edge.serve.config import ServeConfig
+from gpt2edge.serve.continuous import load_scheduler
 from gpt2edge.serve.limits import limited_protocol
-from gpt2edge.serve.scheduler import Scheduler
 
 
 def local_app(
     model_dir: str | Path, config: ServeConfig, device: str = "cpu", threads: int | None = None, verify: bool = True
 ) -> FastAPI:
     """Load the model now (a bad folder fails here, before any request) and wrap it in the app."""
-    scheduler = Scheduler.load(model_dir, config, device=device, threads=threads, verify=verify)
+    scheduler = load_scheduler(model_dir, config, device=device, threads=threads, verify=verify)
     return create_app(lambda: scheduler, config)
 
 
@@ -39,7 +39,7 @@ def loading_app(
 ) -> FastAPI:
     """An app that loads the model (already verified by the caller) on a thread once the server starts."""
     return create_app(
-        lambda: Scheduler.load(model_dir, config, device=device, threads=threads, verify=False),
+        lambda: load_scheduler(model_dir, config, device=device, threads=threads, verify=False),
         config,
         background=True,
         on_load_error=on_error,

@@ -15,7 +15,7 @@ Rows are allocated once (`rows` of them); positions grow on demand up to the gra
 shared length P runs ahead of the longest row (finished long rows leave short ones behind, every decode step
 reading the masked slots for nothing) the rows are re-packed to the longest row's length.
 
-Both cache layouts of gpt2edge.runtime.kv_cache: concat (ping-pong flat buffers, a (k, nh, P, hs) prefix is the
+Both cache layouts of gpt2edge.runtime.model.kv_cache: concat (ping-pong flat buffers, a (k, nh, P, hs) prefix is the
 past) and shared (one (R, nh, capacity, hs) buffer per tensor, bound as past and present). CPU only.
 """
 
@@ -27,9 +27,9 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.manifest import KEEP_INPUT
-from gpt2edge.runtime.generate import left_pad, position_ids_from_mask
-from gpt2edge.runtime.lm import OrtGraph
-from gpt2edge.runtime.session import run_errors
+from gpt2edge.runtime.decoding.generate import left_pad, position_ids_from_mask
+from gpt2edge.runtime.model.lm import OrtGraph
+from gpt2edge.runtime.model.ort_session import run_errors
 
 MIN_POSITIONS = 64  # the first allocation's positions per row; doubled as rows grow
 REPACK_WASTE = 32  # re-pack once P exceeds the longest row by this many slots and by a quarter of P
