@@ -58,6 +58,7 @@ class Level:
     ttft_p99_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
+    server_ttft_p50_ms: float  # the server's own histogram (arrival -> first token), no client or network delay
     errors: int
 
 
@@ -113,15 +114,44 @@ async def run_level(url: str, c: int, n: int, texts: list[str], max_tokens: int,
                 print(f"  request failed: {e}", file=sys.stderr)
 
     limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+    buckets0 = ttft_buckets(url)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(c)))
         seconds = time.perf_counter() - t0
+    server_ttft = histogram_quantile(buckets0, ttft_buckets(url), 0.5) * 1e3
     pct = lambda key, q: float(np.nanpercentile([r[key] for r in results], q)) * 1e3  # noqa: E731
     gaps = np.concatenate([r["gaps"] for r in results]) * 1e3
     return Level(name, rnd, c, len(results), seconds, sum(r["tokens"] for r in results) / seconds,
                  pct("latency", 50), pct("latency", 99), pct("ttft", 50), pct("ttft", 99),
-                 float(np.percentile(gaps, 50)), float(np.percentile(gaps, 99)), errors)  # fmt: skip
+                 float(np.percentile(gaps, 50)), float(np.percentile(gaps, 99)), server_ttft, errors)  # fmt: skip
+
+
+def ttft_buckets(url: str) -> dict[float, float]:
+    """The server's time-to-first-token histogram: upper bound -> cumulative count (empty without /metrics)."""
+    r = httpx.get(url + "/metrics", timeout=30)
+    if r.status_code != 200:
+        return {}
+    out = {}
+    for m in re.finditer(r'^gpt2edge_time_to_first_token_seconds_bucket\{le="([^"]+)"\} (\S+)$', r.text, re.M):
+        out[float(m.group(1))] = float(m.group(2))
+    return out
+
+
+def histogram_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """Prometheus' histogram_quantile over the counts added between two scrapes (linear within a bucket)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return math.nan
+    rank, lower, below = q * counts[-1], 0.0, 0.0
+    for b, c in zip(bounds, counts):
+        if c >= rank:
+            if math.isinf(b):
+                return lower
+            return lower + (b - lower) * (rank - below) / max(c - below, 1e-12)
+        lower, below = b, c
+    return lower
 
 
 async def soak(url: str, c: int, seconds: float, texts: list[str], max_tokens: int, pid: int | None) -> dict:
@@ -199,7 +229,8 @@ def summarize(levels: list[Level]) -> list[dict]:
         row: dict = {"concurrency": c}
         for name in ("continuous", "next-batch"):
             mine = [lv for lv in levels if lv.concurrency == c and lv.scheduler == name]
-            for key in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+            for key in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "server_ttft_p50_ms", "itl_p50_ms",
+                        "itl_p99_ms"):  # fmt: skip
                 vals = [getattr(lv, key) for lv in mine]
                 if vals:
                     row[f"{name}.{key}"] = [float(np.median(vals)), min(vals), max(vals)]
@@ -253,8 +284,8 @@ def main() -> None:
             return
         if not args.json:
             head = ("scheduler", "rnd", "c", "req", "s", "tok/s", "lat p50", "lat p99", "ttft p50", "ttft p99",
-                    "itl p50", "itl p99", "err")  # fmt: skip
-            print(" ".join(f"{h:>{w}}" for h, w in zip(head, (11, 3, 3, 4, 6, 7, 8, 8, 8, 8, 7, 7, 3))))
+                    "srv ttft", "itl p50", "itl p99", "err")  # fmt: skip
+            print(" ".join(f"{h:>{w}}" for h, w in zip(head, (11, 3, 3, 4, 6, 7, 8, 8, 8, 8, 8, 7, 7, 3))))
         results: list[Level] = []
         for rnd in range(args.rounds):
             order = args.scheduler if rnd % 2 == 0 else args.scheduler[::-1]  # interleaved: ABBA...
@@ -283,7 +314,8 @@ def _row(lv: Level) -> str:
     return (
         f"{lv.scheduler:>11} {lv.round:>3} {lv.concurrency:>3} {lv.requests:>4} {lv.seconds:>6.1f} "
         f"{lv.tokens_per_s:>7.1f} {lv.latency_p50_ms:>8.0f} {lv.latency_p99_ms:>8.0f} {lv.ttft_p50_ms:>8.0f} "
-        f"{lv.ttft_p99_ms:>8.0f} {lv.itl_p50_ms:>7.0f} {lv.itl_p99_ms:>7.0f} {lv.errors:>3}"
+        f"{lv.ttft_p99_ms:>8.0f} {lv.server_ttft_p50_ms:>8.0f} {lv.itl_p50_ms:>7.0f} {lv.itl_p99_ms:>7.0f} "
+        f"{lv.errors:>3}"
     )
 
 
