@@ -180,9 +180,16 @@ async def soak(url: str, c: int, seconds: float, texts: list[str], max_tokens: i
                 counts["mixed"] += seen.setdefault(prompt, r["text"]) != r["text"]
             i += c
 
+    samples: list[float | None] = []
+
+    async def sample_rss() -> None:  # every 10 s: a leak shows as growth after the warm-up
+        while time.monotonic() < deadline:
+            samples.append(rss_mb(pid))
+            await asyncio.sleep(10)
+
     limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await asyncio.gather(*(client_loop(client, k) for k in range(c)))
+        await asyncio.gather(sample_rss(), *(client_loop(client, k) for k in range(c)))
     idle = None
     for _ in range(100):  # back to idle: nothing queued, no row decoding
         h = httpx.get(url + "/health", timeout=30).json()
@@ -190,7 +197,8 @@ async def soak(url: str, c: int, seconds: float, texts: list[str], max_tokens: i
             idle = h
             break
         await asyncio.sleep(0.1)
-    return {**counts, "rss_start_mb": rss0, "rss_end_mb": rss_mb(pid), "back_to_idle": idle is not None,
+    return {**counts, "rss_start_mb": rss0, "rss_end_mb": rss_mb(pid), "rss_every_10s_mb": samples,
+            "back_to_idle": idle is not None,
             "dropped_rows": (idle or {}).get("dropped_rows"), "prompts_checked": len(seen)}  # fmt: skip
 
 
