@@ -205,3 +205,13 @@ def test_sigterm_finishes_running_streams_then_exits_0(tiny_export):
     stderr = proc.stderr.read()
     assert rc == 0, stderr
     assert '"event": "access"' in stderr  # the structured access log
+
+
+def test_the_connection_cap_stays_below_the_file_descriptor_limit(monkeypatch):
+    """With `ulimit -n 512`, 512 connections would leave no descriptor for accept(): the cap keeps 64 spare."""
+    import resource
+
+    from gpt2edge.serve.server import connection_cap
+
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (512, 512))
+    assert connection_cap(512) == 448 and connection_cap(100) == 100

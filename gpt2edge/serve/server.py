@@ -100,12 +100,21 @@ def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvico
         port=port,
         log_level=log_level,
         lifespan="on",
-        http=limited_protocol(limits.header_timeout_s, limits.max_connections),
+        http=limited_protocol(limits.header_timeout_s, connection_cap(limits.max_connections)),
         h11_max_incomplete_event_size=limits.max_header_bytes,
         timeout_keep_alive=limits.keep_alive_s,
         timeout_graceful_shutdown=limits.shutdown_timeout_s,
         access_log=False,  # the app writes its own structured access log (request ids, timings)
     )
+
+
+def connection_cap(asked: int) -> int:
+    """--max-connections, lowered to leave 64 file descriptors of the process's limit (ulimit -n) for the model,
+    logs and the listening socket: past the limit accept() fails and nobody gets in."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return asked if soft == resource.RLIM_INFINITY else max(1, min(asked, soft - 64))
 
 
 def serve_forever(
