@@ -27,6 +27,7 @@ FREE_TEXT = {
     ("bench", "source"),
     ("serve", "host"),
     ("serve", "model_name"),
+    ("serve", "api_key"),  # any printable text is a key (ServeConfig checks it)
     ("serve", "ray_address"),
 }
 

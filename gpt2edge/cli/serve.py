@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from gpt2edge.cli.common import DEVICES, THREADS, THREADS_HELP, finite_range, friendly_errors, main
+from gpt2edge.serve.config import SCHEDULERS
 
 
 def _host(ctx, param, value: str) -> str:
@@ -58,7 +59,7 @@ def _host(ctx, param, value: str) -> str:
 )
 @click.option(
     "--scheduler",
-    type=click.Choice(["continuous", "next-batch"]),
+    type=click.Choice(SCHEDULERS),
     default="continuous",
     show_default=True,
     help="continuous: requests join the running batch at the next step; next-batch: they wait for it to end.",
