@@ -42,6 +42,7 @@ import numpy as np
 from gpt2edge.sample_text import SAMPLE_TEXT
 
 LOCK = os.environ.get("BENCH_LOCK", "/tmp/bench.lock")
+SOAK_PROMPTS = 24
 
 
 @dataclass
@@ -157,6 +158,7 @@ def histogram_quantile(before: dict[float, float], after: dict[float, float], q:
 async def soak(url: str, c: int, seconds: float, texts: list[str], max_tokens: int, pid: int | None) -> dict:
     """c clients for `seconds`; every other request leaves after 3 events; one text per prompt, no 5xx."""
     seen: dict[str, str] = {}
+    agree: list[float] = []  # per mismatch: the share of the first text the other one repeats before diverging
     counts = {"finished": 0, "left": 0, "mixed": 0, "5xx": 0, "other_errors": 0}
     rss0 = rss_mb(pid)
     deadline = time.monotonic() + seconds
@@ -164,7 +166,7 @@ async def soak(url: str, c: int, seconds: float, texts: list[str], max_tokens: i
     async def client_loop(client: httpx.AsyncClient, k: int) -> None:
         i = k
         while time.monotonic() < deadline:
-            prompt = texts[i % len(texts)]
+            prompt = texts[i % SOAK_PROMPTS]  # few prompts: each finishes several times, so a mix-up shows
             try:
                 r = await one_request(client, body(prompt, max_tokens), leave_after=3 if i % 2 else None)
             except RuntimeError as e:
@@ -177,7 +179,10 @@ async def soak(url: str, c: int, seconds: float, texts: list[str], max_tokens: i
                 counts["left"] += 1
             else:
                 counts["finished"] += 1
-                counts["mixed"] += seen.setdefault(prompt, r["text"]) != r["text"]
+                first = seen.setdefault(prompt, r["text"])
+                if first != r["text"]:  # another text: how far it agrees (a near-tie flip shares a prefix)
+                    counts["mixed"] += 1
+                    agree.append(len(os.path.commonprefix([first, r["text"]])) / max(1, len(first)))
             i += c
 
     samples: list[float | None] = []
@@ -199,7 +204,9 @@ async def soak(url: str, c: int, seconds: float, texts: list[str], max_tokens: i
         await asyncio.sleep(0.1)
     return {**counts, "rss_start_mb": rss0, "rss_end_mb": rss_mb(pid), "rss_every_10s_mb": samples,
             "back_to_idle": idle is not None,
-            "dropped_rows": (idle or {}).get("dropped_rows"), "prompts_checked": len(seen)}  # fmt: skip
+            "dropped_rows": (idle or {}).get("dropped_rows"), "prompts_checked": len(seen),
+            "finished_per_prompt": counts["finished"] / max(1, len(seen)),
+            "mismatch_common_prefix_share": sorted(round(a, 2) for a in agree)}  # fmt: skip
 
 
 def rss_mb(pid: int | None) -> float | None:
