@@ -184,6 +184,9 @@ def iter_generate(lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, p
     ids, mask = left_pad(prompts, pad_id, total)
     # the last sampled token is never fed back, so the cache needs total - 1 positions
     lm.start(B, total - 1)
+    configure = getattr(lm, "configure_head", None)  # a sparse head serves the steps this call allows
+    if configure is not None:
+        configure(params, state.logprobs is not None)
     try:
         t0 = time.perf_counter()
         logprobs = prefill(lm, ids, mask[:, :S])

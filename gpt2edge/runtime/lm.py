@@ -25,6 +25,8 @@ class OrtGraph:
     Never changed after construction, so any number of OrtLMs in any threads may share it.
     """
 
+    OUTPUT = "logprobs"  # the first output, bound per step (a sparse-head body graph returns "hidden")
+
     def __init__(
         self, folder: ModelFolder, device: str = "cpu", threads: int | None = None, spin: bool = True
     ) -> None:
@@ -32,6 +34,11 @@ class OrtGraph:
             raise ModelFolderError(
                 f"{folder.path} is a static-shape export (--static); load it with gpt2edge.runtime.lm.load_graph "
                 "(or Generator), which runs it with StaticLM."
+            )
+        if folder.info.raw.get("sparse_head") is not None and self.OUTPUT == "logprobs":
+            raise ModelFolderError(
+                f"{folder.path} has a sparse head (its graph returns the hidden state); load it with "
+                "gpt2edge.runtime.lm.load_graph (or Generator), which runs it with SparseLM."
             )
         self.folder = folder
         self.device = device
@@ -53,6 +60,7 @@ class OrtGraph:
         self.keeps = KEEP_INPUT in names  # --head tail: the graph returns the positions listed in that input
         self._check_cache_inputs()  # before any cache is sized from the manifest's dims
         self.kept_ids = self._kept_ids()  # a vocabulary-trimmed head's K columns, as full ids (else None)
+        self.output_width = self._output_width()  # columns of the first output: V, K, or n_embd (sparse body)
         self.columns = None if self.kept_ids is None else Columns.of(self.kept_ids, self.vocab_size)
         # private, for parity tests: generate loops on this graph scatter to (B, V) first, as before K columns
         self._full_vocab_steps = False
@@ -91,6 +99,9 @@ class OrtGraph:
             )
         return kept
 
+    def _output_width(self) -> int:
+        return self.vocab_size if self.kept_ids is None else len(self.kept_ids)
+
     def new_lm(self, io_binding: bool = True) -> OrtLM:
         """A generation context of its own on this graph (LMPool's factory)."""
         return OrtLM(self, io_binding=io_binding)
@@ -104,6 +115,10 @@ def load_graph(
     idle intra-op threads sleep (a draft model alternates with this graph token by token)."""
     if folder.graph.static is not None:
         return StaticGraph.from_folder(folder, device=device, threads=threads)
+    if folder.info.raw.get("sparse_head") is not None:
+        from gpt2edge.runtime.sparse_head import SparseGraph
+
+        return SparseGraph(folder, device=device, threads=threads, spin=spin)
     return OrtGraph(folder, device=device, threads=threads, spin=spin)
 
 
@@ -165,7 +180,7 @@ class OrtLM:
         self._bound_seq = 0  # the batch changed: bind afresh
         if self.io_binding:
             if self.folder.head == "last":
-                shape = (rows, self.vocab_size if self.kept_ids is None else len(self.kept_ids))
+                shape = (rows, self.graph.output_width)
                 if self.device == "cpu":
                     self._logprobs = np.empty(shape, dtype=np.float32)
                 else:
@@ -314,7 +329,7 @@ class OrtLM:
         row by row: row b's slice of each (B, nh, capacity, hs) cache buffer is itself a contiguous
         (1, nh, capacity, hs) tensor, which the graph reads and writes in place as a batch of one."""
         B, S = input_ids.shape
-        width = self.vocab_size if self.kept_ids is None else len(self.kept_ids)  # the graph's log-prob columns
+        width = self.graph.output_width  # the graph's log-prob columns
         out = np.empty((B, width), dtype=np.float32)
         for r in range(B):
             step = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
@@ -326,7 +341,7 @@ class OrtLM:
                 b = self.session.io_binding()
                 for name, arr in feed.items():
                     b.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
-                b.bind_output("logprobs", "cpu")
+                b.bind_output(self.graph.OUTPUT, "cpu")
                 for past, present, view in zip(self.past_names, self.present_names, cache):
                     b.bind_input(past, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
                     b.bind_output(present, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
@@ -362,13 +377,13 @@ class OrtLM:
             if self._tail.size < size:
                 self._tail = np.empty(size, dtype=np.float32)
             self._logprobs = lp = self._tail[:size].reshape(B, keep, self.vocab_size)
-            b.bind_output("logprobs", "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
+            b.bind_output(self.graph.OUTPUT, "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
         elif lp is None:  # head "all" (B, S, V), or a tail head on CUDA: the shape varies, ORT allocates it
-            b.bind_output("logprobs", ORT_DEVICE[self.device])
+            b.bind_output(self.graph.OUTPUT, ORT_DEVICE[self.device])
         elif self.device == "cpu":
-            b.bind_output("logprobs", "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
+            b.bind_output(self.graph.OUTPUT, "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
         else:
-            b.bind_ortvalue_output("logprobs", lp)
+            b.bind_ortvalue_output(self.graph.OUTPUT, lp)
         self.cache.bind(b, self.past_names, self.present_names, self.past_len, S)
 
 
