@@ -127,7 +127,7 @@ def test_uncertified_steps_fall_back_and_are_counted(gens):
     """A step whose candidates exceed the cap runs the full head: still the parent's tokens, counted."""
     full, sparse = gens["concat", "int4"]
     cap = sparse.graph.max_rows
-    sparse.graph.max_rows = 1
+    sparse.graph.max_rows = 0  # no step may read a row: every step falls back
     try:
         sparse.graph.reset_stats()
         a = full.generate(PROMPTS[1], max_new_tokens=10, ignore_eos=True)
