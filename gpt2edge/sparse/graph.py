@@ -20,8 +20,7 @@ from gpt2edge.quantize.primitives import unpack_codes
 from gpt2edge.trim.graph import OUTPUT, find_head
 
 HIDDEN = "hidden"  # the body graph's first output, and the head graph's input
-BOUND_INPUTS = ("projection", "residual_norm", "shift")  # (B, r), (B, 1), (B, 1)
-BOUND_OUTPUTS = ("scores", "upper_bounds", "top_rows")  # (B, V), (B, V), (B, top) int64
+BOUND_INPUT, BOUND_OUTPUT = "bound_input", "upper_bounds"  # (B, r + 2) -> (B, V): the bound graph
 
 
 @dataclass
@@ -142,32 +141,18 @@ def split_head(
     return body, head_model, table
 
 
-def bound_model(a_t: np.ndarray, eps: np.ndarray, top: int, opset: onnx.OperatorSetIdProto) -> onnx.ModelProto:
-    """The first pass as a graph of its own (run single-threaded beside the body): scores = projection @ a_t +
-    shift, upper_bounds = scores + residual_norm * eps, and the `top` rows of best score (unsorted)."""
+def bound_model(a_t: np.ndarray, eps: np.ndarray, opset: onnx.OperatorSetIdProto) -> onnx.ModelProto:
+    """The first pass as one MatMul (run single-threaded beside the body): [Q^T h, ||h - Q Q^T h||, h . mu] (B, r+2)
+    times [a_t; eps; 1] (r+2, V) = every row's upper bound s_i + ||h - Q Q^T h|| eps_i, in one read of the table."""
     f = onnx.TensorProto.FLOAT
     r, V = a_t.shape
-    inits = [
-        numpy_helper.from_array(a_t, "a_t"),
-        numpy_helper.from_array(eps[None, :], "eps"),
-        numpy_helper.from_array(np.array([top], dtype=np.int64), "top"),
-    ]
-    nodes = [
-        helper.make_node("MatMul", ["projection", "a_t"], ["projected"]),
-        helper.make_node("Add", ["projected", "shift"], ["scores"]),
-        helper.make_node("Mul", ["residual_norm", "eps"], ["slack_rows"]),
-        helper.make_node("Add", ["scores", "slack_rows"], ["upper_bounds"]),
-        helper.make_node("TopK", ["scores", "top"], ["top_scores", "top_rows"], axis=-1, largest=1, sorted=0),
-    ]
-    inputs = [
-        helper.make_tensor_value_info("projection", f, ["batch", r]),
-        helper.make_tensor_value_info("residual_norm", f, ["batch", 1]),
-        helper.make_tensor_value_info("shift", f, ["batch", 1]),
-    ]
-    outputs = [
-        helper.make_tensor_value_info("scores", f, ["batch", V]),
-        helper.make_tensor_value_info("upper_bounds", f, ["batch", V]),
-        helper.make_tensor_value_info("top_rows", onnx.TensorProto.INT64, ["batch", top]),
-    ]
-    graph = helper.make_graph(nodes, "gpt2edge_sparse_bounds", inputs, outputs, inits)
+    table = np.concatenate([a_t, eps[None], np.ones((1, V), dtype=np.float32)]).astype(np.float32)
+    node = helper.make_node("MatMul", [BOUND_INPUT, "bound_table"], [BOUND_OUTPUT])
+    graph = helper.make_graph(
+        [node],
+        "gpt2edge_sparse_bounds",
+        [helper.make_tensor_value_info(BOUND_INPUT, f, ["batch", r + 2])],
+        [helper.make_tensor_value_info(BOUND_OUTPUT, f, ["batch", V])],
+        [numpy_helper.from_array(table, "bound_table")],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", max(opset.version, 13))], ir_version=8)

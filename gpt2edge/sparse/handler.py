@@ -24,7 +24,7 @@ from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder_checks import check_output_dir, check_sources
 from gpt2edge.manifest import load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.manifest_records import Manifest
-from gpt2edge.runtime.sparse_head.record import BOUND_FILE, HEAD_FILE, MAX_RANK, TABLE_FILE, TOP_ROWS
+from gpt2edge.runtime.sparse_head.record import BOUND_FILE, HEAD_FILE, MAX_RANK, TABLE_FILE
 
 DEFAULT_RANK = 16
 
@@ -85,8 +85,7 @@ def sparse_head(
             del body
             save_model(head, tmp / HEAD_FILE)
             opset = next(o for o in head.opset_import if o.domain in ("", "ai.onnx"))
-            a_t, eps = bounds.pop("a_t"), bounds.pop("eps")
-            save_model(bound_model(a_t, eps, min(TOP_ROWS, V), opset), tmp / BOUND_FILE)
+            save_model(bound_model(bounds.pop("a_t"), bounds["eps"], opset), tmp / BOUND_FILE)
             arrays = {**bounds, "bits": np.array(table.bits), "block_size": np.array(table.block_size)}
             if table.codes is None:
                 arrays["weight"] = table.weight
@@ -127,7 +126,6 @@ def _manifest(
             "kind": kind,  # how the head's kernel computes a logit (record.py)
             "rank": rank,
             "bound_file": BOUND_FILE,
-            "top_rows": min(TOP_ROWS, V),
             "bound_table_bytes": int((rank + 1) * V * 4),
             "head_table_bytes": int(V * C * (4 if "weight" in arrays else int(arrays["bits"]) / 8)),
             "parent": {

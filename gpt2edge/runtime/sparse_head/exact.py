@@ -39,12 +39,16 @@ class HeadKernel:
         if self.kind != "int8-activations":
             return h
         bs = self.t.block_size
-        hb = np.zeros(self.kb * bs, dtype=np.float32)
-        hb[: self.C] = h
-        hb = hb.reshape(self.kb, bs)
-        sa = (np.abs(hb).max(1) / np.float32(127)).astype(np.float32)  # (kb,)
-        inv = np.divide(np.float32(1), sa, out=np.zeros_like(sa), where=sa != 0)
-        qa = np.clip(np.rint(hb * inv[:, None]), -127, 127).astype(np.float32)  # (kb, bs) exact ints
+        if self.kb * bs == self.C:
+            hb = h.reshape(self.kb, bs)
+        else:
+            hb = np.zeros(self.kb * bs, dtype=np.float32)
+            hb[: self.C] = h
+            hb = hb.reshape(self.kb, bs)
+        sa = np.abs(hb).max(1) / np.float32(127)  # (kb,) float32
+        with np.errstate(divide="ignore"):
+            inv = np.where(sa != 0, np.float32(1) / sa, np.float32(0))
+        qa = np.rint(hb * inv[:, None])  # (kb, bs) exact ints in [-127, 127]
         self._qa, self._sa, self._qsum = qa, sa, qa.sum(1)
         return (qa * sa[:, None]).reshape(-1)[: self.C]
 

@@ -1,10 +1,11 @@
 """SparseGraph and SparseLM: a sparse-head folder as the runtime's graph and generation context.
 
 The body graph (an OrtGraph returning `hidden`) runs the blocks; the head runs here, per row:
-  1. h_eff = the activation the head's kernel multiplies (exact.py); s = h_eff . mu + (Q^T h_eff) . a_i for
-     every row i (the bound table: r multiply-adds a row), and ub_i = s_i + ||h_eff - Q Q^T h_eff|| eps_i, in
-     the bound graph (one thread: a threaded BLAS beside ONNX Runtime's spinning threads stalls);
-  2. the max(k, top_rows) rows with the best s get their exact logit; L = the k-th best of them;
+  1. h_eff = the activation the head's kernel multiplies (exact.py); every row's upper bound
+     ub_i = h_eff . mu + (Q^T h_eff) . a_i + ||h_eff - Q Q^T h_eff|| eps_i in one single-threaded MatMul, the
+     bound graph (r + 2 multiply-adds a row; a threaded BLAS beside ONNX Runtime's spinning threads stalls);
+  2. the k rows of best bound get their exact logit; L = the k-th best of them; when many rows still reach L,
+     the best REFINE of them by the bound's centre s_i = ub_i - ||.|| eps_i raise L (a loose bound can top ub);
   3. every row with ub_i >= L - slack gets its exact logit; the rest provably score below the k-th best;
   4. certified when the k-th and (k+1)-th best exact logits differ by more than TIE (exact.py), else that
      row falls back to the full head (the parent's head graph) and the fallback is counted.
@@ -31,6 +32,7 @@ from gpt2edge.runtime.sparse_head.policy import sparse_k
 from gpt2edge.runtime.sparse_head.record import SparseHeadInfo, load_table
 
 MAX_FRACTION = 0.25  # past this share of rows to read, a step runs the full head (it is cheaper)
+REFINE = 16  # rows whose exact logits raise the floor when the first one leaves many candidates
 
 
 @dataclass
@@ -146,8 +148,8 @@ class SparseGraph:
             h = (rng.standard_normal(self.folder.dims.n_embd) * scale).astype(np.float32)
             he = kernel.prepare(h)
             exact = kernel.full()
-            s, ub, _, slack = self.first_pass(kernel, he)
-            if s.shape != exact.shape or np.any(ub + slack < exact):
+            ub, _, slack = self.first_pass(kernel, he)
+            if ub.shape != exact.shape or np.any(ub + slack < exact):
                 raise ModelFolderError(
                     f"{self.folder.path}: the sparse head's bound table does not bound the head's logits (built for "
                     "another model, or edited); build it again with `gpt2edge sparse-head`."
@@ -162,21 +164,19 @@ class SparseGraph:
             )
         return agree
 
-    def first_pass(self, kernel: HeadKernel, he: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """(s, ub, top rows, slack) of every row for the activation he (C,); slack covers float rounding."""
+    def first_pass(self, kernel: HeadKernel, he: np.ndarray) -> tuple[np.ndarray, float, float]:
+        """(ub, residual norm, slack): every row's upper bound for the activation he (C,), the norm that scales
+        eps, and the allowance for float rounding."""
         t = self.table
         q = t.q.astype(np.float64)
         hq = he.astype(np.float64) @ q  # (r,), tiny: no BLAS threads
         perp = float(np.linalg.norm(he - q @ hq)) * (1 + 1e-5)
-        feed = {
-            "projection": hq.astype(np.float32)[None],
-            "residual_norm": np.array([[perp]], dtype=np.float32),
-            "shift": np.array([[he.astype(np.float64) @ t.mu]], dtype=np.float32),
-        }
+        x = np.empty((1, len(hq) + 2), dtype=np.float32)
+        x[0, :-2], x[0, -2], x[0, -1] = hq, perp, he.astype(np.float64) @ t.mu
         with run_errors(self.bound_path):
-            s, ub, top = self.bound.run(None, feed, self.run_options)
+            ub = self.bound.run(None, {"bound_input": x}, self.run_options)[0][0]
         slack = kernel.scale * float(np.linalg.norm(he)) + float(np.linalg.norm(hq)) * t.eps_par
-        return s[0], ub[0], top[0], slack
+        return ub, perp, slack
 
 
 class SparseLM:
@@ -252,12 +252,18 @@ class SparseLM:
         """(rows read, their exact logits) with every row that can be among the k best; None: not certified."""
         kernel, g = self.kernel, self.graph
         he = kernel.prepare(h)
-        s, ub, top, slack = g.first_pass(kernel, he)
-        V = len(s)
+        ub, perp, slack = g.first_pass(kernel, he)
+        V = len(ub)
         k = min(k, V)
-        first = top if k <= len(top) else np.argpartition(s, V - k)[V - k :]
-        floor = np.partition(kernel.exact(first), len(first) - k)[len(first) - k]  # the k-th best is at least this
+        first = np.array([int(ub.argmax())]) if k == 1 else np.argpartition(ub, V - k)[V - k :]
+        floor = kernel.exact(first).min()  # the k-th best logit is at least this
         rows = np.flatnonzero(ub >= floor - slack - TIE)
+        if len(rows) > REFINE + k:  # raise the floor with the rows of best bound centre among them
+            centre = ub[rows] - perp * g.table.eps[rows]
+            best = rows[np.argpartition(centre, len(rows) - REFINE - k)[len(rows) - REFINE - k :]]
+            vals = kernel.exact(best)
+            floor = max(floor, np.partition(vals, len(vals) - k)[len(vals) - k])
+            rows = rows[ub[rows] >= floor - slack - TIE]
         if len(rows) > g.max_rows:
             return None
         vals = kernel.exact(rows)

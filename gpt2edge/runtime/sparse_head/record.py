@@ -14,7 +14,6 @@ from gpt2edge.manifest_records import Manifest, check_relpath
 
 HEAD_FILE = "head.onnx"
 BOUND_FILE = "bound.onnx"
-TOP_ROWS = 16  # rows of best bound score the bound graph returns: their exact logits set the first floor
 TABLE_FILE = "sparse_head.npz"
 KINDS = ("float", "int8-activations")  # how the head's kernel computes a logit (exact.py)
 MAX_RANK = 256
@@ -28,7 +27,6 @@ class SparseHeadInfo:
     table_file: str
     kind: str
     rank: int
-    top_rows: int
 
     @classmethod
     def of(cls, info: Manifest, where: str) -> SparseHeadInfo | None:
@@ -40,9 +38,6 @@ class SparseHeadInfo:
             raise ModelFolderError(f"{where}: 'sparse_head' is not a record; {_FIX}.")
         head = check_relpath(rec.get("head_file"), where, "sparse_head.head_file")
         bound = check_relpath(rec.get("bound_file"), where, "sparse_head.bound_file")
-        top = rec.get("top_rows")
-        if type(top) is not int or not 1 <= top <= info.dims.vocab_size:
-            raise ModelFolderError(f"{where}: sparse_head top_rows {top!r} is not valid; {_FIX}.")
         table = check_relpath(rec.get("table_file"), where, "sparse_head.table_file")
         kind, rank = rec.get("kind"), rec.get("rank")
         if kind not in KINDS or type(rank) is not int or not 1 <= rank <= min(MAX_RANK, info.dims.n_embd):
@@ -50,17 +45,18 @@ class SparseHeadInfo:
         for f in (head, bound, table):
             if f not in info.files:
                 raise ModelFolderError(f"{where}: {f} is loaded but not listed in 'files'; {_FIX}.")
-        return cls(head, bound, table, kind, rank, top)
+        return cls(head, bound, table, kind, rank)
 
 
 @dataclass(frozen=True)
 class SparseTable:
     """The arrays of the .npz, shapes checked against the model: the bound table's projection (mu, q) and
-    constants (eps_par, a_norm_max, eps_max; its per-row part lives in the bound graph) and the head's table
+    constants (eps, eps_par, a_norm_max, eps_max; the projected rows live in the bound graph) and the head's table
     (weight, or codes / zero_points / scales with bits and block_size)."""
 
     mu: np.ndarray  # (C,)
     q: np.ndarray  # (C, r)
+    eps: np.ndarray  # (V,) each row's residual norm (also inside the bound graph's table)
     eps_par: float
     a_norm_max: float
     eps_max: float
@@ -95,6 +91,7 @@ def load_table(path: Path, rec: SparseHeadInfo, vocab_size: int, width: int) -> 
             common = dict(
                 mu=_arr(z, "mu", np.float32, (C,), path),
                 q=_arr(z, "q", np.float32, (C, r), path),
+                eps=_arr(z, "eps", np.float32, (V,), path),
                 eps_par=float(scalars["eps_par"]),
                 a_norm_max=float(scalars["a_norm_max"]),
                 eps_max=float(scalars["eps_max"]),
