@@ -73,7 +73,7 @@ def forced(gen, ids: list[int], sparse: bool) -> tuple[float, list[int]]:
 
     import numpy as np
 
-    from gpt2edge.runtime.sampling import SamplingParams
+    from gpt2edge.runtime.decoding.sampling import SamplingParams
 
     lm = gen.graph.new_lm()
     lm.start(1, len(ids))

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from gpt2edge.errors import GenerationError, ModelFolderError
+from gpt2edge.runtime.decoding.sampling import SamplingParams, softmax
 from gpt2edge.runtime.generator import Generator
-from gpt2edge.runtime.sampling import SamplingParams, softmax
 
 PROMPTS = ["The river rose and", "A quiet"]
 KINDS = [(kv, p) for kv in ("concat", "shared") for p in ("fp32", "int8", "int4")]
@@ -148,8 +148,8 @@ def test_stream_and_session_identical(gens):
 
 
 def test_speculative_and_direct_graph_refused(grid):
-    from gpt2edge.runtime.lm import OrtGraph
-    from gpt2edge.runtime.model_folder import ModelFolder
+    from gpt2edge.runtime.model.folder import ModelFolder
+    from gpt2edge.runtime.model.lm import OrtGraph
 
     _, sp = grid["concat", "fp32"]
     with pytest.raises((ModelFolderError, GenerationError), match="last position only"):

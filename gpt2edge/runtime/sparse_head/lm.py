@@ -24,12 +24,10 @@ import numpy as np
 
 from gpt2edge.errors import ModelFolderError
 from gpt2edge.manifest import resolve_inside
-from gpt2edge.runtime.lm import OrtGraph, OrtLM
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.session import create_session, quiet_run_options, run_errors
+from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
 from gpt2edge.runtime.sparse_head.exact import TIE, HeadKernel
 from gpt2edge.runtime.sparse_head.policy import sparse_k
-from gpt2edge.runtime.sparse_head.record import SparseHeadInfo, load_table
+from gpt2edge.runtime.sparse_head.record import FIX, SparseHeadInfo, load_table
 
 # past this share of the rows to read exactly (but at least MIN_ROWS), a step runs the full head: NumPy's exact
 # rows cost ~0.1 us each against ~3 ns a row for ONNX Runtime's int8 head, so beyond ~2 % the full head is faster
@@ -57,34 +55,13 @@ class SparseStats:
         return out
 
 
-class _BodyGraph(OrtGraph):
-    """The folder's graph, whose first output is the head's input (B, n_embd) instead of log-probs."""
-
-    OUTPUT = "hidden"
-
-    def _kept_ids(self) -> None:
-        width = self.session.get_outputs()[0].shape[-1]
-        if self.session.get_outputs()[0].name != self.OUTPUT or (isinstance(width, int) and width != self.n_embd):
-            raise ModelFolderError(
-                f"{self.folder.path}: the graph's first output is not the (batch, {self.n_embd}) hidden state its "
-                "sparse_head record describes; build it again with `gpt2edge sparse-head`."
-            )
-        return None
-
-    def _output_width(self) -> int:
-        return self.n_embd
-
-    @property
-    def n_embd(self) -> int:
-        return self.folder.dims.n_embd
-
-
 class SparseGraph:
-    """A sparse-head folder loaded once (shared by threads): the body graph, the head graph, the tables."""
+    """A sparse-head folder loaded once (shared by threads): the body graph (an OrtGraph whose first output is
+    `hidden`, from gpt2edge.runtime.model.lm.load_graph), the head graph, the bound graph and the tables."""
 
     def __init__(
         self,
-        folder: ModelFolder,
+        body,
         device: str = "cpu",
         threads: int | None = None,
         spin: bool = True,
@@ -92,11 +69,19 @@ class SparseGraph:
     ) -> None:
         if not 0.0 < max_fraction <= 1.0:
             raise ValueError(f"max_fraction must be in (0, 1], got {max_fraction!r}")
+        folder = body.folder
         rec = SparseHeadInfo.of(folder.info, str(folder.path / "manifest.json"))
         if rec is None:
             raise ModelFolderError(f"{folder.path} has no sparse head; load it with load_graph.")
         self.folder, self.rec, self.device = folder, rec, device
-        self.body = _BodyGraph(folder, device=device, threads=threads, spin=spin)
+        self.body = body
+        out = body.session.get_outputs()[0]
+        width = out.shape[-1] if out.shape else None
+        if out.name != "hidden" or (isinstance(width, int) and width != folder.dims.n_embd):
+            raise ModelFolderError(
+                f"{folder.path}: the graph's first output is {out.name} {out.shape}, not the (batch, "
+                f"{folder.dims.n_embd}) hidden state its sparse_head record describes; {FIX}."
+            )
         self.head_path = resolve_inside(folder.path, rec.head_file)
         self.head = create_session(self.head_path, device=device, threads=threads, spin=spin)
         self.bound_path = resolve_inside(folder.path, rec.bound_file)
@@ -192,7 +177,7 @@ class SparseLM:
 
     def __init__(self, graph: SparseGraph, io_binding: bool = True) -> None:
         self.graph = graph
-        self.body = OrtLM(graph.body, io_binding=io_binding)
+        self.body = graph.body.new_lm(io_binding)
         self.kernel = HeadKernel(graph.table, graph.rec.kind, graph.folder.dims.n_embd)
         self.k: int | None = None
         self.kept_ids = None

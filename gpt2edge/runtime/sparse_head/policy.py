@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpt2edge.runtime.sampling_params import SamplingParams
+from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 
 MAX_TOP_K = 100  # top-k sampling is certified up to this k (the bound; larger k reads most rows anyway)
 

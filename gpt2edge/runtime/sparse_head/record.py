@@ -17,7 +17,7 @@ BOUND_FILE = "bound.onnx"
 TABLE_FILE = "sparse_head.npz"
 KINDS = ("float", "int8-activations")  # how the head's kernel computes a logit (exact.py)
 MAX_RANK = 256
-_FIX = "build it again with `gpt2edge sparse-head`"
+FIX = "build it again with `gpt2edge sparse-head`"
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,16 @@ class SparseHeadInfo:
         if rec is None:
             return None
         if not isinstance(rec, dict):
-            raise ModelFolderError(f"{where}: 'sparse_head' is not a record; {_FIX}.")
+            raise ModelFolderError(f"{where}: 'sparse_head' is not a record; {FIX}.")
         head = check_relpath(rec.get("head_file"), where, "sparse_head.head_file")
         bound = check_relpath(rec.get("bound_file"), where, "sparse_head.bound_file")
         table = check_relpath(rec.get("table_file"), where, "sparse_head.table_file")
         kind, rank = rec.get("kind"), rec.get("rank")
         if kind not in KINDS or type(rank) is not int or not 1 <= rank <= min(MAX_RANK, info.dims.n_embd):
-            raise ModelFolderError(f"{where}: sparse_head kind {kind!r} / rank {rank!r} is not valid; {_FIX}.")
+            raise ModelFolderError(f"{where}: sparse_head kind {kind!r} / rank {rank!r} is not valid; {FIX}.")
         for f in (head, bound, table):
             if f not in info.files:
-                raise ModelFolderError(f"{where}: {f} is loaded but not listed in 'files'; {_FIX}.")
+                raise ModelFolderError(f"{where}: {f} is loaded but not listed in 'files'; {FIX}.")
         return cls(head, bound, table, kind, rank)
 
 
@@ -72,10 +72,10 @@ def _arr(z: Any, name: str, dtype, shape: tuple, path: Path) -> np.ndarray:
     try:
         a = z[name]
     except KeyError:
-        raise ModelFolderError(f"{path} has no array {name!r}; {_FIX}.") from None
+        raise ModelFolderError(f"{path} has no array {name!r}; {FIX}.") from None
     if a.dtype != dtype or a.shape != shape or (a.dtype.kind == "f" and not np.isfinite(a).all()):
         raise ModelFolderError(
-            f"{path}: {name} is {a.dtype} {a.shape}, expected finite {np.dtype(dtype)} {shape}; {_FIX}."
+            f"{path}: {name} is {a.dtype} {a.shape}, expected finite {np.dtype(dtype)} {shape}; {FIX}."
         )
     return a
 
@@ -102,7 +102,7 @@ def load_table(path: Path, rec: SparseHeadInfo, vocab_size: int, width: int) -> 
                 return SparseTable(**common, weight=_arr(z, "weight", np.float32, (V, C), path),
                                    codes=None, zero_points=None, scales=None)  # fmt: skip
             if bits not in (4, 8) or bs < 16 or bs & (bs - 1):
-                raise ModelFolderError(f"{path}: bits {bits} / block_size {bs} are not a MatMulNBits table; {_FIX}.")
+                raise ModelFolderError(f"{path}: bits {bits} / block_size {bs} are not a MatMulNBits table; {FIX}.")
             kb = -(-C // bs)
             return SparseTable(
                 **common,
@@ -112,4 +112,4 @@ def load_table(path: Path, rec: SparseHeadInfo, vocab_size: int, width: int) -> 
                 scales=_arr(z, "scales", np.float32, (V, kb), path),
             )
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise ModelFolderError(f"{path} cannot be read as the sparse head's table ({e}); {_FIX}.") from e
+        raise ModelFolderError(f"{path} cannot be read as the sparse head's table ({e}); {FIX}.") from e

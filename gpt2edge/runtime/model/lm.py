@@ -1,5 +1,5 @@
 """The exported graph as a language model: OrtGraph (the loaded session, shared by threads) and OrtLM (one
-generation's KV cache and IO binding on it); gpt2edge.runtime.pool.LMPool hands each call an OrtLM of its own.
+generation's KV cache and IO binding on it); gpt2edge.runtime.model.pool.LMPool hands each call an OrtLM of its own.
 
 Thread safety: ONNX Runtime's InferenceSession.run is thread-safe, an IOBinding and a KV cache are not. So
 everything mutable lives in OrtLM, and concurrent generations each use their own OrtLM on one OrtGraph.
@@ -8,15 +8,15 @@ everything mutable lives in OrtLM, and concurrent generations each use their own
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 
 from gpt2edge.errors import DeviceError, ModelFolderError
 from gpt2edge.manifest import KEEP_INPUT
-from gpt2edge.runtime.columns import Columns
-from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.session import ORT_DEVICE, create_session, quiet_run_options, run_errors
-from gpt2edge.runtime.static_lm import StaticGraph
+from gpt2edge.runtime.model.cache_rows import CacheRows
+from gpt2edge.runtime.model.columns import Columns
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.kv_cache import KVCache, SharedKVCache
+from gpt2edge.runtime.model.ort_session import ORT_DEVICE, create_session, quiet_run_options, run_errors
+from gpt2edge.runtime.model.static_lm import StaticGraph
 
 
 class OrtGraph:
@@ -25,21 +25,18 @@ class OrtGraph:
     Never changed after construction, so any number of OrtLMs in any threads may share it.
     """
 
-    OUTPUT = "logprobs"  # the first output, bound per step (a sparse-head body graph returns "hidden")
-
     def __init__(
-        self, folder: ModelFolder, device: str = "cpu", threads: int | None = None, spin: bool = True
-    ) -> None:
+        self, folder: ModelFolder, device: str = "cpu", threads: int | None = None, spin: bool = True,
+        output: str = "logprobs",
+    ) -> None:  # fmt: skip
         if folder.graph.static is not None:
             raise ModelFolderError(
-                f"{folder.path} is a static-shape export (--static); load it with gpt2edge.runtime.lm.load_graph "
+                f"{folder.path} is a static-shape export (--static); load it with gpt2edge.runtime.model.lm.load_graph "
                 "(or Generator), which runs it with StaticLM."
             )
-        if folder.info.raw.get("sparse_head") is not None and self.OUTPUT == "logprobs":
-            raise ModelFolderError(
-                f"{folder.path} has a sparse head (its graph returns the hidden state); load it with "
-                "gpt2edge.runtime.lm.load_graph (or Generator), which runs it with SparseLM."
-            )
+        if folder.info.raw.get("sparse_head") is not None and output == "logprobs":  # its graph returns `hidden`
+            raise ModelFolderError(f"{folder.path} has a sparse head; load it with load_graph (or Generator).")
+        self.output = output  # the first output: "logprobs", or "hidden" (a sparse-head body, runtime/sparse_head)
         self.folder = folder
         self.device = device
         self.shared = folder.kv_cache == "shared"
@@ -59,8 +56,9 @@ class OrtGraph:
         self.past_names = [n for n in names if n.startswith("past_key_values.")]
         self.keeps = KEEP_INPUT in names  # --head tail: the graph returns the positions listed in that input
         self._check_cache_inputs()  # before any cache is sized from the manifest's dims
-        self.kept_ids = self._kept_ids()  # a vocabulary-trimmed head's K columns, as full ids (else None)
-        self.output_width = self._output_width()  # columns of the first output: V, K, or n_embd (sparse body)
+        self.kept_ids = self._kept_ids() if output == "logprobs" else None  # a trimmed head's K columns, full ids
+        width = self.vocab_size if self.kept_ids is None else len(self.kept_ids)
+        self.output_width = width if output == "logprobs" else folder.dims.n_embd  # "hidden": (B, n_embd)
         self.columns = None if self.kept_ids is None else Columns.of(self.kept_ids, self.vocab_size)
         # private, for parity tests: generate loops on this graph scatter to (B, V) first, as before K columns
         self._full_vocab_steps = False
@@ -99,9 +97,6 @@ class OrtGraph:
             )
         return kept
 
-    def _output_width(self) -> int:
-        return self.vocab_size if self.kept_ids is None else len(self.kept_ids)
-
     def new_lm(self, io_binding: bool = True) -> OrtLM:
         """A generation context of its own on this graph (LMPool's factory)."""
         return OrtLM(self, io_binding=io_binding)
@@ -115,14 +110,15 @@ def load_graph(
     idle intra-op threads sleep (a draft model alternates with this graph token by token)."""
     if folder.graph.static is not None:
         return StaticGraph.from_folder(folder, device=device, threads=threads)
-    if folder.info.raw.get("sparse_head") is not None:
-        from gpt2edge.runtime.sparse_head import SparseGraph
+    if folder.info.raw.get("sparse_head") is not None:  # the body here, the head in runtime/sparse_head
+        from gpt2edge.runtime.sparse_head.lm import SparseGraph
 
-        return SparseGraph(folder, device=device, threads=threads, spin=spin)
+        body = OrtGraph(folder, device=device, threads=threads, spin=spin, output="hidden")
+        return SparseGraph(body, device=device, threads=threads, spin=spin)
     return OrtGraph(folder, device=device, threads=threads, spin=spin)
 
 
-class OrtLM:
+class OrtLM(CacheRows):
     """One generation at a time on a graph: forward(ids, mask, positions) -> next-token log-probs (B, V).
 
     The KV cache lives inside. The contract (generate loops, quality, beam search):
@@ -138,6 +134,8 @@ class OrtLM:
       compact(slots)        concat cache: keep only those positions, moved to the front (one copy).
       forward_kept(...)     a vocabulary-trimmed head's own (B, K) columns (`columns` maps them to token ids).
     Not thread-safe: use one OrtLM per concurrent generation (LMPool), all on one OrtGraph.
+    The cache's rows and positions (start, use_rows, expand_rows, reorder_rows, rewind, compact) are in
+    gpt2edge.runtime.model.cache_rows.CacheRows; this class runs the graph.
 
     `graph` is a loaded OrtGraph to share, or a ModelFolder to load (with `device` and `threads`).
     """
@@ -163,56 +161,6 @@ class OrtLM:
         self._bound_seq = 0  # new positions per step of the current binding (shared-cache graphs reuse it)
         self._bound_keep = 0  # positions of log-probs the current binding returns (tail head)
         self._tail = np.empty(0, dtype=np.float32)  # flat buffer a tail head's (B, keep, V) output is bound to
-
-    def start(self, batch: int, length: int) -> None:
-        """Prepare for a generation of `batch` rows and at most `length` positions: one allocation."""
-        self.past_len = 0
-        self._bound_seq = 0  # new buffers below: bind afresh
-        if self.io_binding or self.shared:
-            self.cache.reserve(batch, length)
-        if self.io_binding:
-            if self._mask.size < batch * length:
-                self._mask = np.empty(batch * length, dtype=np.int64)
-        self._set_rows(batch)
-
-    def _set_rows(self, rows: int) -> None:
-        """Size the per-row buffers (the bound log-probs, or the unbound empty past) for steps of `rows` rows."""
-        self._bound_seq = 0  # the batch changed: bind afresh
-        if self.io_binding:
-            if self.folder.head == "last":
-                shape = (rows, self.graph.output_width)
-                if self.device == "cpu":
-                    self._logprobs = np.empty(shape, dtype=np.float32)
-                else:
-                    self._logprobs = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, "cuda", 0)
-        elif not self.shared:
-            empty = np.zeros((rows, self.n_head, 0, self.head_dim), dtype=self.kv_dtype)
-            self._presents = [empty] * len(self.past_names)
-
-    def use_rows(self, rows: int) -> None:
-        """Before the prefill: run it on the first `rows` of the rows start() reserved; expand_rows then fills
-        the rest from them (one prefill for several beams or samples, one cache allocation)."""
-        if self.io_binding or self.shared:
-            self.cache.set_rows(rows)
-        self._set_rows(rows)
-
-    def expand_rows(self, factor: int) -> None:
-        """After the prefill: row r's cache is copied into rows r*factor .. r*factor+factor-1."""
-        if self.io_binding or self.shared:
-            self.cache.expand_rows(factor, self.past_len)
-            rows = self.cache.rows
-        else:
-            self._presents = [np.repeat(p, factor, axis=0) for p in self._presents]
-            rows = len(self._presents[0])
-        if self.io_binding:
-            self._set_rows(rows)
-
-    def reorder_rows(self, index: np.ndarray) -> None:
-        """Row r continues old row index[r] (beam search): the cache rows move in place."""
-        if self.io_binding or self.shared:
-            self.cache.reorder_rows(index, self.past_len)
-        else:
-            self._presents = [np.take(p, index, axis=0) for p in self._presents]
 
     @property
     def columns(self) -> Columns | None:
@@ -301,29 +249,6 @@ class OrtLM:
             )
         return keep
 
-    def rewind(self, past_len: int) -> None:
-        """Forget every cached position from past_len on (a shared cache: the graph reads only the first
-        past_len slots and the next step overwrites the rest, so moving the length back is the whole rollback)."""
-        if not self.shared:
-            raise ValueError("rewind needs a shared cache; a concat cache keeps its positions (see compact)")
-        if not 0 <= past_len <= self.past_len:
-            raise ValueError(f"cannot rewind a cache of {self.past_len} positions to {past_len}")
-        self.past_len = past_len
-
-    def compact(self, slots: np.ndarray) -> None:
-        """Keep only the cached positions `slots` (increasing), moved to the front: one copy of what is kept.
-
-        A concat cache is (B, nh, T, hs) per tensor, and its first T' positions are not a (B, nh, T', hs)
-        tensor when nh > 1, so dropping positions (rejected draft tokens, masked out until then) needs this copy."""
-        slots = np.asarray(slots, dtype=np.int64)
-        if self.shared:
-            raise ValueError("compact is for concat caches; a shared cache rewinds")
-        if self.io_binding:
-            self.cache.compact(self.past_len, slots)
-        else:
-            self._presents = [np.ascontiguousarray(p[:, :, slots]) for p in self._presents]
-        self.past_len = len(slots)
-
     def _forward_rows(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """The shared graph's GroupQueryAttention refuses batch > 1 with seq > 1 on a past, so such a step runs
         row by row: row b's slice of each (B, nh, capacity, hs) cache buffer is itself a contiguous
@@ -341,7 +266,7 @@ class OrtLM:
                 b = self.session.io_binding()
                 for name, arr in feed.items():
                     b.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
-                b.bind_output(self.graph.OUTPUT, "cpu")
+                b.bind_output(self.graph.output, "cpu")
                 for past, present, view in zip(self.past_names, self.present_names, cache):
                     b.bind_input(past, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
                     b.bind_output(present, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
@@ -377,13 +302,13 @@ class OrtLM:
             if self._tail.size < size:
                 self._tail = np.empty(size, dtype=np.float32)
             self._logprobs = lp = self._tail[:size].reshape(B, keep, self.vocab_size)
-            b.bind_output(self.graph.OUTPUT, "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
+            b.bind_output(self.graph.output, "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
         elif lp is None:  # head "all" (B, S, V), or a tail head on CUDA: the shape varies, ORT allocates it
-            b.bind_output(self.graph.OUTPUT, ORT_DEVICE[self.device])
+            b.bind_output(self.graph.output, ORT_DEVICE[self.device])
         elif self.device == "cpu":
-            b.bind_output(self.graph.OUTPUT, "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
+            b.bind_output(self.graph.output, "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
         else:
-            b.bind_ortvalue_output(self.graph.OUTPUT, lp)
+            b.bind_ortvalue_output(self.graph.output, lp)
         self.cache.bind(b, self.past_names, self.present_names, self.past_len, S)
 
 
