@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--lock-once", action="store_true", help="hold the bench lock once, over every timed round")
     args = ap.parse_args()
+    import gpt2edge.runtime.sparse_head  # noqa: F401  (loaded now, not after a long wait for the lock)
+    from gpt2edge.runtime.decoding.sampling import SamplingParams  # noqa: F401
     from gpt2edge.runtime.generator import Generator
 
     args.work.mkdir(parents=True, exist_ok=True)
