@@ -14,7 +14,7 @@ from gpt2edge.cli.common import friendly_errors, main, print_json
 @click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True, help="New export folder.")
 @click.option(
     "--rank",
-    type=int,
+    type=click.IntRange(min=1),  # the model's bound (below n_embd) is checked with the folder
     default=16,
     show_default=True,
     help="Directions of the bound table (1 .. n_embd - 1): more reads a bigger table every step but fewer exact rows.",
