@@ -174,7 +174,7 @@ def main() -> None:
                 rows_read_fraction=stats["rows_read_fraction"],
             )
         # real text, not the model's own (peaked, repetitive) greedy output: this repo's source, held out
-        text = (Path(__file__).resolve().parents[1] / "gpt2edge" / "runtime" / "sampling.py").read_text()
+        text = (Path(__file__).resolve().parents[1] / "gpt2edge" / "runtime" / "decoding" / "sampling.py").read_text()
         ids = full.tokenizer.encode(text)[: full.graph.n_positions - 1]
         forced(full, ids[:8], False), forced(sparse, ids[:8], True)  # warm-up
         sparse.graph.reset_stats()
