@@ -68,3 +68,8 @@ class ServeError(Gpt2EdgeError):
 class ArgumentTypeError(Gpt2EdgeError, TypeError):
     """A Python API call passed a value of the wrong type (None or bytes for a prompt, an int for stop strings).
     A TypeError too, so callers catch it as Python's own; the CLI prints it as one line like every error here."""
+
+
+class SparseHeadError(Gpt2EdgeError):
+    """A sparse-head request that cannot be honoured (`gpt2edge sparse-head`): a folder kind or option it does
+    not support, or a bound table that does not match its folder."""

@@ -8,7 +8,7 @@ from gpt2edge.cli.interrupts import guard_startup
 
 guard_startup()  # before the heavy imports below: Ctrl-C while they load exits 130 without a traceback
 
-from gpt2edge.cli import folders, generate, measure, serve  # noqa: E402, F401  (they register their commands)
+from gpt2edge.cli import folders, generate, measure, serve, sparse  # noqa: E402, F401  (they register their commands)
 from gpt2edge.cli.common import main  # noqa: E402
 
 __all__ = ["main"]
