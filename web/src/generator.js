@@ -87,7 +87,7 @@ export class WebGenerator {
 
   /**
    * Generate for one prompt; yields {piece, token} after every token (piece: new printable text, maybe "").
-   * Returns (as the generator's return value) the result: token_ids, text, finish_reason ("eos", "stop",
+   * Returns (as the generator's return value) the result: token_ids, text, pieces, finish_reason ("eos", "stop",
    * "length" or "stopped"), prefill_ms, decode_ms_per_token, tokens_per_s. `signal`: an AbortSignal (Stop).
    */
   async *stream(prompt, options = {}, signal = undefined) {
@@ -106,6 +106,7 @@ export class WebGenerator {
     const seen = [...ids];
     const generated = [];
     const decodeMs = [];
+    const pieces = []; // the streamed text, piece by piece (joined: the final text)
     let finish = null;
     // the last sampled token is never fed back: the cache needs prompt + max_new_tokens - 1 positions
     this.lm.start(ids.length + params.max_new_tokens - 1);
@@ -122,7 +123,9 @@ export class WebGenerator {
       else if (generated.length >= params.max_new_tokens) finish = "length";
       else if (signal?.aborted) finish = "stopped";
       if (finish) text.finish();
-      yield { piece: text.take(), token: tok };
+      const piece = text.take();
+      if (piece) pieces.push(piece);
+      yield { piece, token: tok };
       if (finish) break;
       const t1 = performance.now();
       logprobs = await this.lm.forward([tok]);
@@ -135,6 +138,7 @@ export class WebGenerator {
       token_ids: generated,
       prompt_token_ids: ids,
       text: text.text,
+      pieces,
       finish_reason: finish,
       prefill_ms: prefillMs,
       decode_ms_per_token: mean,
