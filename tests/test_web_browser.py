@@ -15,11 +15,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from web_helpers import CHROMIUM, WEB, StaticServer, job_url, run_browser
 
 from gpt2edge.convert import convert_folder
 from gpt2edge.runtime import Generator
-
-from web_helpers import CHROMIUM, WEB, StaticServer, job_url, run_browser
 
 pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists() or not (WEB / "node_modules" / "puppeteer-core").is_dir() or shutil.which("node") is None,

@@ -10,11 +10,10 @@ import subprocess
 
 import numpy as np
 import pytest
+from web_helpers import WEB
 
 from gpt2edge.runtime.processors import apply_processors
 from gpt2edge.runtime.sampling import SamplingParams, sample_row, warp_row
-
-from web_helpers import WEB
 
 pytestmark = pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
 

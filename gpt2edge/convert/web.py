@@ -86,7 +86,8 @@ def _package_files() -> dict[str, Path]:
     files = {PAGE: web / PAGE, "serve.py": web / "serve.py"}
     files.update({f"{RUNTIME_DIR}/{n}": web / "src" / n for n in RUNTIME_FILES})
     files.update({f"{ORT_DIR}/{n}": modules / "onnxruntime-web" / "dist" / n for n in ORT_FILES})
-    files.update({f"{TOKENIZERS_DIR}/{Path(n).name}": modules / "@huggingface" / "tokenizers" / n for n in TOKENIZERS_FILES})
+    tokenizers = modules / "@huggingface" / "tokenizers"
+    files.update({f"{TOKENIZERS_DIR}/{Path(n).name}": tokenizers / n for n in TOKENIZERS_FILES})
     missing = [str(p) for p in files.values() if not p.is_file()]
     if missing:
         raise ConvertError(
