@@ -1,6 +1,6 @@
 """`gpt2edge convert --format web` without a browser: the folder's contents and manifest, the graph the
-browser computes (MatMulNBits at float accuracy, which the Python runtime then runs token for token), and
-the refusals, each one line and nothing written."""
+browser runs (MatMulNBits rewritten as dequantize + MatMul, which the Python runtime runs too), and the
+refusals, each one line and nothing written."""
 
 from __future__ import annotations
 
@@ -53,17 +53,21 @@ def test_folder_is_self_contained_and_verified(int4_web):
 
 
 @needs_npm
-def test_matmulnbits_run_at_float_accuracy_and_python_runs_the_folder(int4_web):
-    """The WASM kernel computes MatMulNBits in float32 whatever accuracy_level asks: the folder says so, and the
-    Python runtime on it computes what the browser computes (test_web_browser checks the page against it)."""
+def test_matmulnbits_become_folded_dequantize_and_matmul(int4_web):
+    """onnxruntime-web's WASM MatMulNBits is slow: the web graph has a float32 MatMul on weights that plain ops
+    dequantize from the same 4-bit codes (folded once at load), so the file keeps the int4 size; the Python
+    runtime on the folder gives the tokens the source folder gives (the page is checked against it)."""
     src, out = int4_web
-    levels = [a.i for n in onnx.load(str(out / "model.onnx")).graph.node if n.op_type == "MatMulNBits"
-              for a in n.attribute if a.name == "accuracy_level"]  # fmt: skip
-    assert levels and set(levels) == {0}
+    ops = [n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node]
+    n_src = [n.op_type for n in onnx.load(str(src / "model.onnx")).graph.node].count("MatMulNBits")
+    assert "MatMulNBits" not in ops and n_src > 0 and ops.count("BitShift") == n_src - 1  # the head is 8-bit
     record = json.loads((out / "manifest.json").read_text())["conversion"]
-    assert record["rewritten"] == {"MatMulNBits.accuracy_level=0": len(levels)}
-    r = Generator(out).generate("Hello", max_new_tokens=6, temperature=0)
-    assert len(r.token_ids) == 6
+    assert record["rewritten"] == {"MatMulNBits": n_src}
+    assert (out / "model.onnx").stat().st_size < 1.3 * (src / "model.onnx").stat().st_size  # still int4-sized
+    prompts = ["Hello", "The river rose and"]
+    web_ids = [r.token_ids for r in Generator(out).generate(prompts, max_new_tokens=8, temperature=0)]
+    src_ids = [r.token_ids for r in Generator(src).generate(prompts, max_new_tokens=8, temperature=0)]
+    assert sum(a == b for a, b in zip(web_ids, src_ids)) >= 1  # float vs int8-activation kernels: near ties may flip
 
 
 def test_refusals_write_nothing(tiny_checkpoint, tiny_export, int4_web, tmp_path):

@@ -40,8 +40,9 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         self.send_response(204)
         self.end_headers()
 
-    def log_message(self, *args):  # quiet
-        pass
+    def log_message(self, fmt, *args):  # quiet, but for failed requests (the browser tests print them on failure)
+        if len(args) > 1 and str(args[1]).startswith(("4", "5")):
+            print("server:", fmt % args)
 
 
 class StaticServer:

@@ -6,7 +6,7 @@ at run time: the folder works offline on any static file server).
 What the browser runs (onnxruntime-web 1.30 WASM, checked in headless Chromium by tests/test_web_browser.py):
 fp32, int8 and int4 graphs of both KV-cache kinds: GroupQueryAttention (--kv-cache shared), MatMulNBits (4 and
 8 bits), GatherBlockQuantized (the quantized embedding lookup), FastGelu and LayerNormalization all have WASM
-kernels, so the graph is kept as it is but for one attribute (float_accuracy below). fp16 graphs are refused
+kernels. MatMulNBits is slow there, so it is rewritten (dequantize_matmulnbits below). fp16 graphs are refused
 (the runtime feeds a float32 KV cache).
 """
 
@@ -101,20 +101,85 @@ def _package_version(name: str) -> str:
     return json.loads((web_package_dir() / "node_modules" / name / "package.json").read_text())["version"]
 
 
-def float_accuracy(model) -> int:
-    """Set every MatMulNBits' accuracy_level to 0 (float32 compute); returns how many nodes changed.
+def dequantize_matmulnbits(model) -> int:
+    """Replace each MatMulNBits (com.microsoft) by MatMul on a weight that plain ONNX ops dequantize from the
+    same int8/int4 codes; returns how many nodes were replaced.
 
-    onnxruntime-web's WASM build computes MatMulNBits in float32 whatever the level asks (level 4, int8
-    activations, is an x86/ARM kernel), so the level the browser honours is written into the graph: the
-    Python runtime then computes what the page computes, and the page's greedy ids can be checked against it."""
-    changed = 0
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits":
-            for a in node.attribute:
-                if a.name == "accuracy_level" and a.i != 0:
-                    a.i = 0
-                    changed += 1
-    return changed
+    onnxruntime-web's WASM build has no fast MatMulNBits kernel (its fallback makes an int8 GPT-2 several times
+    slower than fp32 there). The codes stay in the file as they were (one byte, or two 4-bit codes per byte),
+    so the download keeps the quantized size; the weight is (codes - zero point) x scale per block, computed
+    in float32 by Cast/Sub/Mul (and BitwiseAnd/BitShift for 4-bit codes) on initializers only, which ONNX
+    Runtime's constant folding evaluates once when the session is created: each step runs a float32 MatMul."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    replaced = 0
+    for idx in reversed(range(len(g.node))):
+        node = g.node[idx]
+        if node.op_type != "MatMulNBits":
+            continue
+        a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+        K, N, bits, block = int(a["K"]), int(a["N"]), int(a.get("bits", 4)), int(a["block_size"])
+        ins = list(node.input) + [""] * (6 - len(node.input))
+        if ins[4] or any(n and n not in inits for n in (ins[1], ins[2], ins[3], ins[5])):
+            raise ConvertError("A MatMulNBits node has computed weights or g_idx; quantize the export with gpt2edge.")
+        nb = -(-K // block)
+        codes = numpy_helper.to_array(inits[ins[1]]).reshape(N, nb, block * bits // 8).transpose(1, 2, 0)
+        scale = numpy_helper.to_array(inits[ins[2]]).astype(np.float32).reshape(N, nb).T[:, None, :]  # (nb, 1, N)
+        if ins[3]:
+            zp = numpy_helper.to_array(inits[ins[3]])
+            if zp.dtype != np.uint8:
+                raise ConvertError("A MatMulNBits node has float zero points; quantize the export with gpt2edge.")
+            zp = zp.reshape(N, -1)
+            if bits == 4:
+                zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(N, -1)
+            zp = zp[:, :nb].T[:, None, :].astype(np.float32)
+        else:
+            zp = np.full((nb, 1, N), 1 << (bits - 1), np.float32)
+        p = f"{node.name or 'matmulnbits'}_{idx}_web"
+        new = []
+
+        def const(name: str, value) -> str:
+            g.initializer.append(numpy_helper.from_array(np.asarray(value), f"{p}_{name}"))
+            return f"{p}_{name}"
+
+        def op(op_type: str, inputs: list[str], **attrs) -> str:
+            out = f"{p}_{op_type.lower()}_{len(new)}"
+            new.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+            return out
+
+        packed = const("codes", np.ascontiguousarray(codes))  # (nb, block * bits / 8, N) uint8
+        if bits == 4:  # two codes per byte, low nibble first: (nb, block/2, 2, N) -> (nb, block, N)
+            lo = op("BitwiseAnd", [packed, const("mask", np.array(15, np.uint8))])
+            hi = op("BitShift", [packed, const("shift", np.array(4, np.uint8))], direction="RIGHT")
+            axis = const("axis", np.array([2], np.int64))
+            pair = op("Concat", [op("Unsqueeze", [lo, axis]), op("Unsqueeze", [hi, axis])], axis=2)
+            packed = op("Reshape", [pair, const("blocks", np.array([nb, block, N], np.int64))])
+        real = op("Cast", [packed], to=TensorProto.FLOAT)
+        w = op("Mul", [op("Sub", [real, const("zero_point", zp)]), const("scale", scale)])  # (nb, block, N)
+        w = op("Reshape", [w, const("shape", np.array([nb * block, N], np.int64))])
+        if nb * block != K:  # the last block was padded
+            zero, k = const("start", np.array([0], np.int64)), const("end", np.array([K], np.int64))
+            w = op("Slice", [w, zero, k, zero])
+        y = op("MatMul", [ins[0], w])
+        if ins[5]:
+            y = op("Add", [y, ins[5]])
+        new[-1].output[0] = node.output[0]
+        g.node.remove(node)
+        for j, n in enumerate(new):
+            g.node.insert(idx + j, n)
+        replaced += 1
+    _drop_unused_initializers(model)
+    return replaced
+
+
+def _drop_unused_initializers(model) -> None:
+    g = model.graph
+    used = {n for node in g.node for n in node.input} | {o.name for o in g.output}
+    for init in [i for i in g.initializer if i.name not in used]:
+        g.initializer.remove(init)
 
 
 def write_web(folder, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -125,8 +190,8 @@ def write_web(folder, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
     graph = folder.manifest["graph"]
     model = onnx.load(str(folder.graph_path))
-    n = float_accuracy(model)
-    rewritten = {"MatMulNBits.accuracy_level=0": n} if n else {}
+    n = dequantize_matmulnbits(model)
+    rewritten = {"MatMulNBits": n} if n else {}
     files = save_model(model, tmp / graph["file"])
     del model
     for dest, source in _package_files().items():

@@ -71,8 +71,10 @@ export class WebGenerator {
     for (const k of CONFIG_KEYS) if (this.defaults[k] !== undefined && this.defaults[k] !== null) values[k] = this.defaults[k];
     const given = Object.fromEntries(Object.entries(options).filter(([, v]) => v !== undefined && v !== null));
     if (!("do_sample" in given) && SAMPLING_KNOBS.some((k) => k in given)) given.do_sample = true;
+    const ignoreEos = Boolean(given.ignore_eos);
+    delete given.ignore_eos;
     Object.assign(values, given);
-    values.eos_token_id = this.eos;
+    values.eos_token_id = ignoreEos ? [] : this.eos;
     return new SamplingParams(values);
   }
 

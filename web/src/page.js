@@ -1,7 +1,7 @@
 // The page: pick a backend (WebGPU, else WASM; threads when the page is cross-origin isolated), load the folder
 // the page sits in, and generate from the form, or from the query string for automation:
 //   index.html?prompt=TEXT&max_new_tokens=N&temperature=0[&seed=S&top_k=K&top_p=P&repetition_penalty=R
-//              &stop=S (repeatable)&device=wasm|webgpu&threads=T]&report=URL
+//              &stop=S (repeatable)&ignore_eos=1&device=wasm|webgpu&threads=T]&report=URL
 // generates on load and POSTs {"token_ids", "text", "prefill_ms", "decode_ms_per_token", ...} as JSON to URL
 // (same origin only), or {"error": "..."} when anything fails.
 
@@ -84,7 +84,8 @@ async function load(query) {
   state.generator = generator;
   state.loadMs = performance.now() - t0;
   const g = generator.folder.manifest.graph;
-  $("model").textContent = `${generator.folder.manifest.source?.model ?? "model"} · ${g.precision} · ${g.kv_cache} cache`;
+  const source = String(generator.folder.manifest.source?.model ?? "model").replace(/\/+$/, "");
+  $("model").textContent = `${source.split("/").slice(-2).join("/")} · ${g.precision} · ${g.kv_cache} cache`;
   $("backend").textContent = device === "webgpu" ? "WebGPU" : `WASM, ${state.threads} thread${state.threads > 1 ? "s" : ""}`;
   $("status").textContent = `ready (loaded in ${(state.loadMs / 1e3).toFixed(1)} s)`;
 }
@@ -152,6 +153,7 @@ function readQuery() {
       repetition_penalty: num("repetition_penalty"),
       seed: seed === null ? undefined : /^\d+$/.test(seed) ? (Number(seed) <= Number.MAX_SAFE_INTEGER ? Number(seed) : BigInt(seed)) : Number.NaN,
       stop: q.getAll("stop"),
+      ignore_eos: q.get("ignore_eos") === "1" || undefined,
     },
   };
 }
@@ -185,6 +187,8 @@ async function main() {
   }
   if (!job) return;
   $("prompt").value = job.prompt;
+  for (const [k, v] of Object.entries(job.options)) if ($(k) && v !== undefined && typeof v !== "object") $(k).value = String(v);
+  $("stop").value = job.options.stop.join("\n");
   try {
     const r = await generate(job.prompt, job.options);
     state.result = r;
