@@ -135,21 +135,11 @@ def dequantize_matmulnbits(model) -> int:
             zp = zp.reshape(N, -1)
             if bits == 4:
                 zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(N, -1)
-            zp = zp[:, :nb].T[:, None, :].astype(np.float32)
+            zp = np.ascontiguousarray(zp[:, :nb].T[:, None, :])  # (nb, 1, N) uint8
         else:
-            zp = np.full((nb, 1, N), 1 << (bits - 1), np.float32)
-        p = f"{node.name or 'matmulnbits'}_{idx}_web"
-        new = []
-
-        def const(name: str, value) -> str:
-            g.initializer.append(numpy_helper.from_array(np.asarray(value), f"{p}_{name}"))
-            return f"{p}_{name}"
-
-        def op(op_type: str, inputs: list[str], **attrs) -> str:
-            out = f"{p}_{op_type.lower()}_{len(new)}"
-            new.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
-            return out
-
+            zp = np.full((nb, 1, N), 1 << (bits - 1), np.uint8)
+        b = _Nodes(g, f"{node.name or 'matmulnbits'}_{idx}_web")
+        const, op = b.const, b.op
         packed = const("codes", np.ascontiguousarray(codes))  # (nb, block * bits / 8, N) uint8
         if bits == 4:  # two codes per byte, low nibble first: (nb, block/2, 2, N) -> (nb, block, N)
             lo = op("BitwiseAnd", [packed, const("mask", np.array(15, np.uint8))])
@@ -158,21 +148,43 @@ def dequantize_matmulnbits(model) -> int:
             pair = op("Concat", [op("Unsqueeze", [lo, axis]), op("Unsqueeze", [hi, axis])], axis=2)
             packed = op("Reshape", [pair, const("blocks", np.array([nb, block, N], np.int64))])
         real = op("Cast", [packed], to=TensorProto.FLOAT)
-        w = op("Mul", [op("Sub", [real, const("zero_point", zp)]), const("scale", scale)])  # (nb, block, N)
+        zero_point = op("Cast", [const("zero_point", zp)], to=TensorProto.FLOAT)
+        w = op("Mul", [op("Sub", [real, zero_point]), const("scale", scale)])  # (nb, block, N)
         w = op("Reshape", [w, const("shape", np.array([nb * block, N], np.int64))])
         if nb * block != K:  # the last block was padded
             zero, k = const("start", np.array([0], np.int64)), const("end", np.array([K], np.int64))
             w = op("Slice", [w, zero, k, zero])
         y = op("MatMul", [ins[0], w])
         if ins[5]:
-            y = op("Add", [y, ins[5]])
-        new[-1].output[0] = node.output[0]
+            op("Add", [y, ins[5]])
+        b.nodes[-1].output[0] = node.output[0]
         g.node.remove(node)
-        for j, n in enumerate(new):
+        for j, n in enumerate(b.nodes):
             g.node.insert(idx + j, n)
         replaced += 1
     _drop_unused_initializers(model)
     return replaced
+
+
+class _Nodes:
+    """New nodes and initializers for one replaced node, named after it."""
+
+    def __init__(self, graph, prefix: str):
+        self.graph, self.prefix, self.nodes = graph, prefix, []
+
+    def const(self, name: str, value) -> str:
+        import numpy as np
+        from onnx import numpy_helper
+
+        self.graph.initializer.append(numpy_helper.from_array(np.asarray(value), f"{self.prefix}_{name}"))
+        return f"{self.prefix}_{name}"
+
+    def op(self, op_type: str, inputs: list[str], **attrs) -> str:
+        from onnx import helper
+
+        out = f"{self.prefix}_{op_type.lower()}_{len(self.nodes)}"
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+        return out
 
 
 def _drop_unused_initializers(model) -> None:
