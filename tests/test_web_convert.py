@@ -18,7 +18,7 @@ from gpt2edge.cli import main
 from gpt2edge.convert import convert_folder
 from gpt2edge.errors import ConvertError
 from gpt2edge.runtime import Generator
-from gpt2edge.runtime.model_folder import ModelFolder
+from gpt2edge.runtime.model.folder import ModelFolder
 
 needs_npm = pytest.mark.skipif(not (WEB / "node_modules" / "onnxruntime-web").is_dir(),
                                reason="web/node_modules missing (bash scripts/setup.sh runs npm ci)")  # fmt: skip

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from web_helpers import WEB
 
-from gpt2edge.runtime.processors import apply_processors
-from gpt2edge.runtime.sampling import SamplingParams, sample_row, warp_row
+from gpt2edge.runtime.decoding.processors import apply_processors
+from gpt2edge.runtime.decoding.sampling import SamplingParams, sample_row, warp_row
 
 pytestmark = pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
 

@@ -1,4 +1,4 @@
-// Next-token selection as small pure functions, the same arithmetic as gpt2edge.runtime.sampling (NumPy),
+// Next-token selection as small pure functions, the same arithmetic as gpt2edge.runtime.decoding.sampling (NumPy),
 // which follows transformers' logits processors: repetition penalty, then (when sampling) temperature, top-k,
 // top-p, min-p, and one uniform from the seeded generator (rng.js) by inverse CDF.
 //

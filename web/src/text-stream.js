@@ -1,4 +1,4 @@
-// Token ids in; text, stop-string detection and printable pieces out (gpt2edge.runtime.tokenizer.TextStream).
+// Token ids in; text, stop-string detection and printable pieces out (gpt2edge.runtime.model.tokenizer.TextStream).
 //
 // Decoding is UTF-8 safe: a character split over several byte-level tokens is held back until it is complete
 // (the decode of the pending ids ends in U+FFFD until then), and only a short window of recent ids is decoded
