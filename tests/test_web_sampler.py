@@ -5,6 +5,7 @@ for a seed, the same uniforms (bit for bit) and the same drawn tokens. Needs nod
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 
@@ -107,3 +108,13 @@ def test_seeded_draws_identical(js_results, i):
     rng = np.random.default_rng(seed)
     py = [sample_row(scores, params, rng) for _ in range(DRAWS)]
     assert js_results["cases"][i]["draws"] == py
+
+
+def test_generator_loop_in_node(tiny_checkpoint):
+    """web/test/generator.test.mjs: Stop, EOS (and ignore_eos), stop strings, the length rule, with a stand-in
+    model; none may be skipped (the tokenizer is given)."""
+    env = {**os.environ, "TOKENIZER": str(tiny_checkpoint / "tokenizer.json")}
+    proc = subprocess.run(["node", "--test", "test/generator.test.mjs"], cwd=WEB, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "# pass 4" in proc.stdout and "# skipped 0" in proc.stdout
