@@ -190,3 +190,16 @@ def test_file_url_shows_how_to_serve(web_root, tmp_path):
     assert pages[0]["done"]
     assert "file://" in pages[0]["state"]["error"] and "serve.py" in pages[0]["state"]["error"]
     assert (tmp_path / "file.png").stat().st_size > 1000
+
+
+def test_webgpu_path_keeps_the_cache_on_the_gpu(web_root):
+    """With Chromium's software WebGPU adapter (SwiftShader) the page runs on WebGPU (presents kept as GPU
+    buffers and fed back) and gives Python's greedy ids."""
+    with StaticServer(web_root) as server:
+        urls = [job_url(f"{server.url}{v}/", f"/r/{v}", PROMPTS[0], max_new_tokens=4, temperature=0, device="webgpu")
+                for v in ("fp32-concat", "int4-shared")]  # fmt: skip
+        run_browser(urls, timeout_s=180, webgpu=True)
+        reports = {v: server.reports[f"/r/{v}"][0] for v in ("fp32-concat", "int4-shared")}
+    for v, r in reports.items():
+        assert r.get("device") == "webgpu", r
+        assert r["token_ids"] == _python(web_root / v, PROMPTS[0], max_new_tokens=4, temperature=0).token_ids

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import http.server
 import json
+import os
 import subprocess
 import threading
 import urllib.parse
@@ -73,12 +74,17 @@ def job_url(base: str, report: str, prompt: str, **params) -> str:
     return base + "index.html?" + urllib.parse.urlencode(q)
 
 
-def run_browser(urls: list[str], timeout_s: float = 120, screenshot: Path | None = None) -> list[dict]:
-    """Load each URL in headless Chromium until the page is done; one result dict per URL."""
+def run_browser(
+    urls: list[str], timeout_s: float = 120, screenshot: Path | None = None, webgpu: bool = False
+) -> list[dict]:
+    """Load each URL in headless Chromium until the page is done; one result dict per URL. webgpu: give
+    Chromium its software WebGPU adapter (SwiftShader) instead of running without a GPU."""
     cmd = ["node", str(WEB / "test" / "browser.mjs"), "--timeout", str(int(timeout_s * 1000))]
     if screenshot is not None:
         cmd += ["--screenshot", str(screenshot)]
-    proc = subprocess.run(cmd + urls, capture_output=True, text=True, timeout=timeout_s * len(urls) + 60, cwd=WEB)
+    env = {**os.environ, "WEBGPU": "swiftshader" if webgpu else ""}
+    proc = subprocess.run(cmd + urls, capture_output=True, text=True, timeout=timeout_s * len(urls) + 60, cwd=WEB,
+                          env=env)  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"browser.mjs failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

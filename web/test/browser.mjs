@@ -25,8 +25,12 @@ const browser = await puppeteer.launch({
   headless: true,
   userDataDir: profile,
   args: [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--headless", "--no-sandbox", "--disable-background-networking", "--disable-component-update",
     "--no-first-run", "--disable-sync", "--disable-dev-shm-usage",
+    // WEBGPU=swiftshader: Chromium's software WebGPU adapter (slow, but the WebGPU path runs); else no GPU at all
+    ...(process.env.WEBGPU === "swiftshader"
+      ? ["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader", "--use-angle=swiftshader", "--enable-features=Vulkan"]
+      : ["--disable-gpu"]),
   ],
 });
 try {
