@@ -203,3 +203,15 @@ def test_webgpu_path_keeps_the_cache_on_the_gpu(web_root):
     for v, r in reports.items():
         assert r.get("device") == "webgpu", r
         assert r["token_ids"] == _python(web_root / v, PROMPTS[0], max_new_tokens=4, temperature=0).token_ids
+
+
+def test_the_form_generates_like_a_user(web_root, tmp_path):
+    """No query string: type a prompt and settings into the form, click Generate; the streamed text is Python's,
+    the Stop button is disabled again afterwards, and the screenshot shows it."""
+    form = {"prompt": PROMPTS[1], "max_new_tokens": 12, "temperature": 0, "stop": ""}
+    with StaticServer(web_root) as server:
+        page = run_browser([f"{server.url}int8-concat/index.html"], form=form, screenshot=tmp_path / "page.png")[0]
+    assert page["done"] and page["state"]["error"] is None and page["stopDisabled"]
+    py = _python(web_root / "int8-concat", PROMPTS[1], max_new_tokens=12, temperature=0)
+    assert page["state"]["output"] == py.text
+    assert (tmp_path / "page.png").stat().st_size > 10_000

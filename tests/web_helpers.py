@@ -75,13 +75,17 @@ def job_url(base: str, report: str, prompt: str, **params) -> str:
 
 
 def run_browser(
-    urls: list[str], timeout_s: float = 120, screenshot: Path | None = None, webgpu: bool = False
+    urls: list[str], timeout_s: float = 120, screenshot: Path | None = None, webgpu: bool = False,
+    form: dict | None = None,
 ) -> list[dict]:
     """Load each URL in headless Chromium until the page is done; one result dict per URL. webgpu: give
-    Chromium its software WebGPU adapter (SwiftShader) instead of running without a GPU."""
+    Chromium its software WebGPU adapter (SwiftShader) instead of running without a GPU. form: fill these
+    fields (by element id) and click Generate, as a user does."""
     cmd = ["node", str(WEB / "test" / "browser.mjs"), "--timeout", str(int(timeout_s * 1000))]
     if screenshot is not None:
         cmd += ["--screenshot", str(screenshot)]
+    if form is not None:
+        cmd += ["--form", json.dumps(form)]
     env = {**os.environ, "WEBGPU": "swiftshader" if webgpu else ""}
     proc = subprocess.run(cmd + urls, capture_output=True, text=True, timeout=timeout_s * len(urls) + 60, cwd=WEB,
                           env=env)  # fmt: skip

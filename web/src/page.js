@@ -84,15 +84,18 @@ async function load(query) {
   state.generator = generator;
   state.loadMs = performance.now() - t0;
   const g = generator.folder.manifest.graph;
-  const source = String(generator.folder.manifest.source?.model ?? "model").replace(/\/+$/, "");
-  $("model").textContent = `${source.split("/").slice(-2).join("/")} · ${g.precision} · ${g.kv_cache} cache`;
+  // a hub id as it is (org/name), a local checkpoint by its folder name (not the converting machine's path)
+  const src = generator.folder.manifest.source ?? {};
+  const model = String(src.model ?? "model").replace(/\/+$/, "");
+  $("model").textContent = `${src.kind === "local" ? model.split("/").pop() : model} · ${g.precision} · ${g.kv_cache} cache`;
   $("backend").textContent = device === "webgpu" ? "WebGPU" : `WASM, ${state.threads} thread${state.threads > 1 ? "s" : ""}`;
   $("status").textContent = `ready (loaded in ${(state.loadMs / 1e3).toFixed(1)} s)`;
 }
 
 function formOptions() {
   const num = (id) => ($(id).value.trim() === "" ? undefined : Number($(id).value));
-  const stop = $("stop").value.split("\n").filter((s) => s.length);
+  // one stop string a line; a literal \n in a line stands for a newline
+  const stop = $("stop").value.split("\n").filter((s) => s.length).map((s) => s.replaceAll("\\n", "\n"));
   return {
     max_new_tokens: num("max_new_tokens"),
     temperature: num("temperature"),
@@ -188,7 +191,7 @@ async function main() {
   if (!job) return;
   $("prompt").value = job.prompt;
   for (const [k, v] of Object.entries(job.options)) if ($(k) && v !== undefined && typeof v !== "object") $(k).value = String(v);
-  $("stop").value = job.options.stop.join("\n");
+  $("stop").value = job.options.stop.map((s) => s.replaceAll("\n", "\\n")).join("\n");
   try {
     const r = await generate(job.prompt, job.options);
     state.result = r;

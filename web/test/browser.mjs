@@ -1,5 +1,6 @@
 // Drive headless Chromium (Debian's /usr/bin/chromium, never a downloaded build) through page loads:
-//   node test/browser.mjs [--screenshot FILE] [--timeout MS] [--width W] URL [URL ...]
+//   node test/browser.mjs [--screenshot FILE] [--timeout MS] [--width W] [--form JSON] URL [URL ...]
+// --form {"id": value, ...}: as a user would, fill the page's fields, click Generate, wait until it is done.
 // Each URL loads in a fresh tab of one browser with a fresh profile; the tab is done when the page sets
 // window.gpt2edge.done (after it has POSTed its report). One JSON line per URL on stdout:
 //   {"url", "done", "console": [...], "error"?}
@@ -16,6 +17,7 @@ for (let i = 0; i < args.length; i++) {
   if (args[i] === "--timeout") opt.timeout = Number(args[++i]);
   else if (args[i] === "--screenshot") opt.screenshot = args[++i];
   else if (args[i] === "--width") opt.width = Number(args[++i]);
+  else if (args[i] === "--form") opt.form = JSON.parse(args[++i]);
   else urls.push(args[i]);
 }
 
@@ -44,6 +46,14 @@ try {
     try {
       await page.goto(url, { waitUntil: "load", timeout: opt.timeout });
       await page.waitForFunction("window.gpt2edge?.done === true || window.gpt2edgeFailed === true", { timeout: opt.timeout, polling: 100 });
+      if (opt.form) {
+        for (const [id, value] of Object.entries(opt.form)) {
+          await page.$eval(`#${id}`, (el, v) => (el.value = v), String(value));
+        }
+        await page.click("#generate");
+        await page.waitForFunction(() => /^(done|error)/.test(document.getElementById("status").textContent), { timeout: opt.timeout, polling: 50 });
+        out.stopDisabled = await page.$eval("#stop-button", (b) => b.disabled);
+      }
       out.done = true;
       out.state = await page.evaluate(() => ({
         notes: window.gpt2edge?.notes ?? [],
