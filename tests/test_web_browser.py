@@ -135,7 +135,8 @@ def _copy(web_root: Path, variant: str, dest: Path) -> Path:
 
 
 def test_bad_input_is_a_message_not_a_hang(web_root, tmp_path):
-    """Tampered graph, missing tokenizer, a non-web folder, a prompt longer than the context, bad settings,
+    """Tampered graph, missing tokenizer, a non-web folder, a manifest naming a file outside the folder, a
+    prompt longer than the context, bad settings,
     WebGPU asked for where there is none: each an {"error"} report and a message on the page."""
     bad = tmp_path / "root"
     bad.mkdir()
@@ -149,12 +150,18 @@ def test_bad_input_is_a_message_not_a_hang(web_root, tmp_path):
     manifest = json.loads((not_web / "manifest.json").read_text())
     manifest["graph"]["format"] = "onnx"
     (not_web / "manifest.json").write_text(json.dumps(manifest))
+    outside = _copy(web_root, "fp32-concat", bad / "outside")
+    manifest = json.loads((outside / "manifest.json").read_text())
+    manifest["graph"]["file"] = "../tampered/model.onnx"  # a file of another folder on the same server
+    manifest["files"]["../tampered/model.onnx"] = manifest["files"]["model.onnx"]
+    (outside / "manifest.json").write_text(json.dumps(manifest))
     _copy(web_root, "fp32-shared", bad / "ok")
     long_prompt = " ".join(["word"] * 300)  # the tiny model has 128 positions
     jobs = {
         "tampered": ("tampered", "Hi", {}),
         "no-tok": ("no-tok", "Hi", {}),
         "not-web": ("not-web", "Hi", {}),
+        "outside": ("outside", "Hi", {}),
         "long": ("ok", long_prompt, {"max_new_tokens": 8}),
         "bad-temp": ("ok", "Hi", {"temperature": -1}),
         "webgpu": ("ok", "Hi", {"device": "webgpu"}),
@@ -168,6 +175,7 @@ def test_bad_input_is_a_message_not_a_hang(web_root, tmp_path):
     assert "sha256" in reports["tampered"]["error"] and "model.onnx" in reports["tampered"]["error"]
     assert "tokenizer" in reports["no-tok"]["error"] and "missing" in reports["no-tok"]["error"]
     assert "convert --format web" in reports["not-web"]["error"]
+    assert "not a path inside the folder" in reports["outside"]["error"]
     assert "positions" in reports["long"]["error"] and "prompt" in reports["long"]["error"]
     assert "temperature" in reports["bad-temp"]["error"]
     assert "WebGPU" in reports["webgpu"]["error"]

@@ -60,6 +60,10 @@ export class WebFolder {
 
   /** The bytes of `name` (a path relative to the folder), after checking its size and sha256. */
   async bytes(name, what = name) {
+    // a path inside the folder only: no absolute path, no "..", no URL (the manifest came from the server)
+    if (typeof name !== "string" || !name || name.startsWith("/") || name.includes(":") || name.includes("\\") || name.split("/").includes("..")) {
+      throw new FolderError(`manifest.json names ${what} as ${JSON.stringify(name)}, which is not a path inside the folder; convert the export again.`);
+    }
     const entry = this.manifest.files[name];
     if (!entry) throw new FolderError(`manifest.json does not list ${what} (${name}); convert the export again.`);
     let res;
