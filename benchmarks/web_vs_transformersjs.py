@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from web_helpers import WEB, StaticServer, job_url, run_browser  # noqa: E402
 
-GPT2EDGE = {"fp32": "fp32-shared", "fp32-concat": "fp32-concat", "int8": "int8-shared", "int4": "int4-shared"}
+KINDS = ("concat", "shared")  # gpt2edge's two KV-cache graphs: folder f"{precision}-{kind}"
 TJS = {"fp32": "fp32", "int8": "q8", "int4": "q4"}
 
 
@@ -49,10 +49,11 @@ def gpt2edge_folders(ckpt: Path, name: str, work: Path, root: Path) -> None:
         if not (exp / f"fp32-{kind}").exists():
             sh(g, "export", "-m", str(ckpt), str(exp / f"fp32-{kind}"), "--kv-cache", kind, "--no-validate")
     for mode in ("int8", "int4"):
-        if not (exp / f"{mode}-shared").exists():
-            sh(g, "quantize", str(exp / "fp32-shared"), "-o", str(exp / f"{mode}-shared"), "--mode", mode,
-               "--no-report")
-    for v in GPT2EDGE.values():
+        for kind in KINDS:
+            if not (exp / f"{mode}-{kind}").exists():
+                sh(g, "quantize", str(exp / f"fp32-{kind}"), "-o", str(exp / f"{mode}-{kind}"), "--mode", mode,
+                   "--no-report")
+    for v in (f"{p}-{k}" for p in ("fp32", "int8", "int4") for k in KINDS):
         if not (root / "g" / name / v).exists():
             sh(g, "convert", str(exp / v), "-o", str(root / "g" / name / v), "--format", "web")
 
@@ -113,7 +114,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--work", type=Path, default=Path("/tmp/web-bench"))
     ap.add_argument("--optimum-cli", default=None)
-    ap.add_argument("--precisions", default="fp32,fp32-concat,int8,int4")
+    ap.add_argument("--precisions", default="fp32,int8,int4")
     args = ap.parse_args()
     ckpts = args.checkpoint or [Path("/work/peers/ckpt"), Path("/work/shared/trained-gpt2-py")]
     if not (WEB / "bench" / "node_modules" / "@huggingface" / "transformers").is_dir():
@@ -133,12 +134,10 @@ def main() -> None:
         tjs_folder(ckpt, name, args.work, root, args.optimum_cli)
     prompt = " hello" * args.prompt_tokens  # one GPT-2 token per " hello"
     common = {"max_new_tokens": args.new_tokens, "threads": args.threads}
-    configs = []  # (checkpoint, runtime, precision, url path maker)
+    configs = []  # (checkpoint, runtime, precision): runtime "gpt2edge concat", "gpt2edge shared", "transformers.js"
     for name in names:
         for p in args.precisions.split(","):
-            configs.append((name, "gpt2edge", p))
-            if p in TJS:
-                configs.append((name, "transformers.js", p))
+            configs += [(name, f"gpt2edge {k}", p) for k in KINDS] + [(name, "transformers.js", p)]
     results: dict[tuple, list[dict]] = {c: [] for c in configs}
 
     def one_round(r: int, server: StaticServer) -> None:
@@ -147,8 +146,9 @@ def main() -> None:
         for c in order:
             name, runtime, p = c
             report = f"/report/{r}/{'/'.join(c)}"
-            if runtime == "gpt2edge":
-                urls.append(job_url(f"{server.url}g/{name}/{GPT2EDGE[p]}/", report, prompt, temperature=0,
+            if runtime.startswith("gpt2edge"):
+                folder = f"{p}-{runtime.split()[1]}"
+                urls.append(job_url(f"{server.url}g/{name}/{folder}/", report, prompt, temperature=0,
                                     ignore_eos=1, device="wasm", **common))  # fmt: skip
             else:
                 q = {"model": name, "dtype": TJS[p], "prompt": prompt, "report": report, **common}
@@ -170,7 +170,7 @@ def main() -> None:
     print(f"CPU: {cpu}, {os.cpu_count()} vCPU; Chromium headless, WASM, {args.threads} threads; prompt "
           f"{args.prompt_tokens}, {args.new_tokens} new tokens, {args.rounds} interleaved rounds")
     print("| checkpoint | precision | runtime | prefill ms | decode ms/token | load ms | MB downloaded "
-          "| tjs/gpt2edge decode |")
+          "| transformers.js / this, decode |")
     print("|---|---|---|---|---|---|---|---|")
     for c in configs:
         runs = [x for x in results[c] if "error" not in x]
@@ -178,10 +178,10 @@ def main() -> None:
             print(f"| {c[0]} | {c[2]} | {c[1]} | error: {results[c][0].get('error')} | | | | |")
             continue
         ratio = ""
-        if c[1] == "transformers.js":
-            g = results[(c[0], "gpt2edge", c[2])]
-            rs = [t["decode_ms_per_token"] / x["decode_ms_per_token"] for t, x in zip(results[c], g)
-                  if "error" not in t and "error" not in x]  # fmt: skip
+        if c[1] != "transformers.js":  # per round: transformers.js' decode time over this runtime's
+            t = results[(c[0], "transformers.js", c[2])]
+            rs = [a["decode_ms_per_token"] / b["decode_ms_per_token"] for a, b in zip(t, results[c])
+                  if "error" not in a and "error" not in b]  # fmt: skip
             ratio = f"{statistics.median(rs):.2f}x [{min(rs):.2f}-{max(rs):.2f}]" if rs else ""
         print(f"| {c[0]} | {c[2]} | {c[1]} | {summary([x['prefill_ms'] for x in runs])} | "
               f"{summary([x['decode_ms_per_token'] for x in runs])} | {summary([x['load_ms'] for x in runs])} | "
