@@ -145,7 +145,7 @@ def main() -> None:
         urls = []
         for c in order:
             name, runtime, p = c
-            report = f"/report/{r}/{'/'.join(c)}"
+            report = f"/report/{r}/{'/'.join(c)}".replace(" ", "-")  # a URL path as the server sees it
             if runtime.startswith("gpt2edge"):
                 folder = f"{p}-{runtime.split()[1]}"
                 urls.append(job_url(f"{server.url}g/{name}/{folder}/", report, prompt, temperature=0,
@@ -155,7 +155,7 @@ def main() -> None:
                 urls.append(f"{server.url}tjs.html?{urllib.parse.urlencode(q)}")
         run_browser(urls, timeout_s=900)
         for c in order:
-            got = server.reports.get(f"/report/{r}/{'/'.join(c)}", [{"error": "no report"}])[0]
+            got = server.reports.get(f"/report/{r}/{'/'.join(c)}".replace(" ", "-"), [{"error": "no report"}])[0]
             results[c].append(got)
             print(f"round {r} {c}: " + (got.get("error") or f"prefill {got['prefill_ms']:.0f} ms, "
                   f"decode {got['decode_ms_per_token']:.2f} ms/token"), file=sys.stderr, flush=True)  # fmt: skip
