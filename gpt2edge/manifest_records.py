@@ -35,8 +35,9 @@ KEEP_INPUT = "logits_to_keep"  # the tail head's input: the positions whose log-
 KV_CACHE_MODES = ("concat", "shared")
 ATTENTION_OPS = {"concat": "onnx", "shared": "com.microsoft.GroupQueryAttention"}
 # graph.format: "onnx" (export, quantize), "ort" (ONNX Runtime's flatbuffer, for minimal builds) and "genai"
-# (an ONNX graph in onnxruntime-genai's IO contract, run by genai, not by gpt2edge's runtime); see gpt2edge.convert
-GRAPH_FORMATS = ("onnx", "ort", "genai")
+# (an ONNX graph in onnxruntime-genai's IO contract, run by genai, not by gpt2edge's runtime), "web" (an ONNX graph
+# in the form onnxruntime-web runs, beside a page; the Python runtime runs it too); see gpt2edge.convert
+GRAPH_FORMATS = ("onnx", "ort", "genai", "web")
 # graph.kv_cache of a static-shape export (`export --static`): a fixed-capacity cache written by position,
 # described by graph.static (StaticInfo); not a --kv-cache choice
 STATIC_KV_CACHE = "static"

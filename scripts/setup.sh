@@ -23,3 +23,22 @@ else
     # cluster = serve + ray[serve], so the server and Ray tests run
     pip_q -e '.[export,cluster,dev,genai]'
 fi
+
+# the browser target (`convert --format web`, tests/test_web_*.py): the JS runtime's npm packages, pinned by
+# web/package-lock.json, and Debian's chromium for the headless tests (never a browser that a tool downloads)
+if command -v npm >/dev/null 2>&1; then
+    lock=web/node_modules/.package-lock.json
+    if [ ! -f "$lock" ] || [ web/package-lock.json -nt "$lock" ]; then
+        (cd web && npm ci --no-audit --no-fund --loglevel=error)
+    fi
+else
+    echo "setup.sh: npm not found; install Node.js 20+ for the browser target (convert --format web)" >&2
+fi
+if [ ! -x /usr/bin/chromium ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null
+    else
+        echo "setup.sh: /usr/bin/chromium is missing (the browser tests need it): sudo apt-get install chromium" >&2
+    fi
+fi

@@ -220,13 +220,14 @@ def quantize(
     type=click.Choice(FORMATS),
     required=True,
     help="ort: .ort graph + required_operators.config for minimal/mobile ONNX Runtime builds; "
-    "genai: a folder onnxruntime-genai runs (genai_config.json).",
+    "genai: a folder onnxruntime-genai runs (genai_config.json); web: a static web page that runs the model in "
+    "the browser on onnxruntime-web (index.html; serve the folder).",
 )
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the new manifest as JSON.")
 @friendly_errors
 def convert(model_dir, out, fmt, force, as_json) -> None:
-    """Write the export folder MODEL_DIR in a deployment format (ORT format or onnxruntime-genai)."""
+    """Write the export folder MODEL_DIR in a deployment format (ORT format, onnxruntime-genai or a web page)."""
     from gpt2edge.convert import convert_folder
 
     manifest = convert_folder(model_dir, out, fmt, force=force)

@@ -1,7 +1,7 @@
 """convert_folder: an export folder -> a new, atomically written folder in a deployment format.
 
 The handler checks the request, verifies the source, copies the tokenizer and configs, calls the format's
-writer (ort_format.py, genai.py) and writes a manifest whose graph.format says what the folder holds.
+writer (ort_format.py, genai.py, web.py) and writes a manifest whose graph.format says what the folder holds.
 """
 
 from __future__ import annotations
@@ -16,20 +16,21 @@ from typing import Any
 import gpt2edge
 from gpt2edge.api_args import path_arg
 from gpt2edge.convert.ort_format import check_ort_size
+from gpt2edge.convert.web import check_web, write_web
 from gpt2edge.errors import ConvertError
 from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder_checks import check_output_dir
 from gpt2edge.manifest import graph_files, read_manifest, verify_files, write_manifest
 from gpt2edge.runtime.model.folder import ModelFolder
 
-FORMATS = ("ort", "genai")
+FORMATS = ("ort", "genai", "web")
 
 # a writer puts the converted graph into the new folder; returns (graph fields to update, conversion record)
 Writer = Callable[[ModelFolder, Path], "tuple[dict[str, Any], dict[str, Any]]"]
 
 
 def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = False) -> dict[str, Any]:
-    """Write export folder `src` in format `fmt` ("ort" or "genai") to the new folder `out`; returns its
+    """Write export folder `src` in format `fmt` ("ort", "genai" or "web") to the new folder `out`; returns its
     manifest. Every check runs before anything is written; a failure leaves no `out` behind."""
     src, out = path_arg(src, "src"), path_arg(out, "out")  # a TypeError names a wrong type
     if fmt not in FORMATS:
@@ -49,6 +50,8 @@ def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = 
         )
     if fmt == "ort":
         check_ort_size(folder.model_bytes(), src)
+    if fmt == "web":
+        check_web(folder, src)
     if fmt == "genai" and folder.info.vocab is not None:
         # genai has no kept-id map: it would read column k of the trimmed head as token id k
         v = folder.info.vocab
@@ -130,7 +133,7 @@ def _write_genai(folder: ModelFolder, tmp: Path) -> tuple[dict[str, Any], dict[s
     return {"file": files[0], "files": files, "format": "genai", "outputs": outputs}, record
 
 
-_WRITERS: dict[str, Writer] = {"ort": _write_ort, "genai": _write_genai}
+_WRITERS: dict[str, Writer] = {"ort": _write_ort, "genai": _write_genai, "web": write_web}
 
 
 def _converted_manifest(
