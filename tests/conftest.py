@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
+
+# A suite started in the background by a non-interactive shell (`cmd &`, nohup) inherits SIGINT (and SIGHUP)
+# ignored, and so would every command the tests start: the Ctrl-C / hang-up tests would then see a program
+# that cannot be interrupted. Give the children the dispositions a terminal gives them.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")
