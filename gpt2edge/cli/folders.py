@@ -95,7 +95,7 @@ def export(source, out, head, kv_cache, opset, validate, atol, force, revision, 
     type=click.Choice(tuple(SIZES)),
     default="tiny",
     show_default=True,
-    help="tiny/mini for tests and demos; small is the real 124M GPT-2 shape.",
+    help="tiny/mini for tests and demos; small, medium, large, xl are the official GPT-2 shapes (124M..1.5B).",
 )
 @click.option("--seed", type=SEEDS, default=0, show_default=True)
 @click.option(

@@ -21,6 +21,10 @@ SIZES = {
     "tiny": dict(n_layer=2, n_head=4, n_embd=64, n_positions=128, initializer_range=0.2),
     "mini": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256, initializer_range=0.2),
     "small": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257),
+    # the other official shapes (gpt2-medium, -large, -xl): 355M, 774M and 1.5B parameters
+    "medium": dict(n_layer=24, n_head=16, n_embd=1024, n_positions=1024, vocab_size=50257),
+    "large": dict(n_layer=36, n_head=20, n_embd=1280, n_positions=1024, vocab_size=50257),
+    "xl": dict(n_layer=48, n_head=25, n_embd=1600, n_positions=1024, vocab_size=50257),
 }
 
 
