@@ -207,24 +207,27 @@ def quantize_model(
         leave=False,
         disable=None,
     ) as bar:
-        model = onnx.load(str(resolve_inside(src, info.graph.file)))
+        graph_path = resolve_inside(src, info.graph.file)
         if recipe.mode == "fp16":
             from gpt2edge.quantize.half import to_fp16
 
-            variant = to_fp16(model)
+            variant = to_fp16(onnx.load(str(graph_path)))  # ONNX Runtime's converter wants every weight loaded
         else:
+            from gpt2edge.onnx_stream import load_graph
             from gpt2edge.quantize.weight_only import quantize_weights
 
+            # streamed: the graph without its external data; each matrix is read when it is quantized
             variant = quantize_weights(
-                model,
+                load_graph(graph_path),
                 recipe.weight_bits,
                 recipe.block_size,
                 recipe.head_bits,
                 recipe.head_block_size or 0,
                 recipe.accuracy_level,
                 recipe.symmetric,
+                base_dir=graph_path.parent,
+                in_place=True,
             )
-        del model
         bar.update()
         with atomic_output_dir(out, force=force, sources=[src]) as tmp:
             from gpt2edge.quantize.graph import write_variant

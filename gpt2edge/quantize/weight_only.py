@@ -7,12 +7,15 @@ a few rows costs nothing next to the head's full read). The file holds the table
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from gpt2edge.errors import QuantizeError
 from gpt2edge.onnx_stats import reader_ops
+from gpt2edge.onnx_stream import tensor_array
 from gpt2edge.quantize.primitives import (
     POSITION_BLOCK_SIZE,
     BlockQuantized,
@@ -128,13 +131,25 @@ def quantize_weights(
     head_block_size: int,
     accuracy_level: int = 0,
     symmetric: bool = False,
+    base_dir: Path | None = None,
+    in_place: bool = False,
 ) -> onnx.ModelProto:
     """Rewrite `model` (an fp32 gpt2edge export) and return the new model (the input is not modified):
     - every MatMul with a 2-D weight -> MatMulNBits at `bits` / `block_size`;
     - the head Gemm (tied embedding) -> MatMulNBits at `head_bits` / `head_block_size` (None: stays fp32),
       and the token-embedding Gather reads the same packed table;
-    - other embedding tables (positions) -> 8-bit rows dequantized in the graph."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    - other embedding tables (positions) -> 8-bit rows dequantized in the graph.
+
+    Streaming: `model` may be loaded without its external data (gpt2edge.onnx_stream.load_graph); each weight
+    is then read from `base_dir` when it is quantized, so only one fp32 matrix is in memory at a time, and the
+    fp32 tensors kept (LayerNorm, biases) stay external references for the writer to copy. `in_place`: rewrite
+    `model` itself instead of a copy (a copy of a loaded 1.4 GB graph is 1.4 GB more)."""
+    if not in_place:
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+
+    def array(init) -> np.ndarray:
+        return tensor_array(init, base_dir) if base_dir is not None else numpy_helper.to_array(init)
+
     g = model.graph
     inits = {i.name: i for i in g.initializer}
 
@@ -146,13 +161,13 @@ def quantize_weights(
         if weight in packed and n.op_type in ("MatMul", "Gemm"):
             q = packed[weight]  # a weight the exporter shared between two nodes: packed once, read twice
         elif n.op_type == "MatMul" and weight in inits and len(inits[weight].dims) == 2:
-            w = numpy_helper.to_array(inits[weight])  # (K, N)
+            w = array(inits[weight])  # (K, N)
             q = quantize_blockwise(w, bits, block_size, symmetric)
         elif n.op_type == "Gemm" and weight in inits and head_bits is not None:
             attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
             if attrs.get("transB") != 1 or attrs.get("transA", 0) or len(n.input) > 2:
                 raise QuantizeError(f"Unexpected head Gemm {n.name} {attrs}; re-export with this gpt2edge.")
-            table = numpy_helper.to_array(inits[weight])  # (V, C): the head is x @ table.T
+            table = array(inits[weight])  # (V, C): the head is x @ table.T
             block = embedding_block_size(table.shape[1], head_block_size)
             q = tables[weight] = quantize_blockwise(table.T, head_bits, block, symmetric)
         else:
@@ -171,7 +186,7 @@ def quantize_weights(
     for n in new_nodes:
         table = n.input[0] if n.op_type == "Gather" and _axis(n) == 0 else None
         if table is not None and table not in tables and _is_float_table(inits.get(table), readers.get(table)):
-            w = numpy_helper.to_array(inits[table])  # (rows, C)
+            w = array(inits[table])  # (rows, C)
             block = embedding_block_size(w.shape[1], POSITION_BLOCK_SIZE)
             q = tables[table] = quantize_blockwise(w.T, 8, block, symmetric)
             new_inits += [
