@@ -63,3 +63,7 @@ class TrimError(Gpt2EdgeError):
 
 class ServeError(Gpt2EdgeError):
     """A server option is out of range, or the `serve` / `cluster` extra is not installed."""
+
+
+class ResourceError(Gpt2EdgeError):
+    """The machine has less memory or disk than a request is estimated to need (checked before any work)."""

@@ -32,7 +32,8 @@ from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder_checks import check_output_dir
 from gpt2edge.manifest import write_manifest
 from gpt2edge.manifest_records import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, STATIC_KV_CACHE
-from gpt2edge.onnx_stats import decode_weight_bytes
+from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD, decode_weight_bytes
+from gpt2edge.resources import check_need, checkpoint_weight_bytes, export_need
 
 if TYPE_CHECKING:
     from gpt2edge.export.validate import Check
@@ -100,6 +101,10 @@ def export_model(
     sources = [source, tokenizer]  # local ones must not overlap OUT (a hub id matches no path)
     check_output_dir(out, force, sources)
     resolved = resolve_source(source, revision)  # a missing folder, an export folder, an offline hub id: refused now
+    if resolved.kind == "local":  # memory and disk it will take, from config.json: refused now if they do not fit
+        weight_bytes = checkpoint_weight_bytes(Path(resolved.location))
+        if weight_bytes is not None:
+            check_need(export_need(weight_bytes, run_validation, EXTERNAL_DATA_THRESHOLD), out)
 
     # the heavy imports (torch, transformers, onnx), once the request is known to be good
     from gpt2edge.export.model import from_hf_model

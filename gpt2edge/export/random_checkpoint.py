@@ -11,6 +11,7 @@ from pathlib import Path
 from gpt2edge.errors import CheckpointError
 from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder_checks import is_checkpoint_folder
+from gpt2edge.resources import check_need, checkpoint_need, n_parameters
 from gpt2edge.sample_text import SAMPLE_TEXT
 
 EOS = "<|endoftext|>"
@@ -57,6 +58,7 @@ def make_random_checkpoint(
         raise CheckpointError(f"The tokenizer has no {EOS} token; use a GPT-2 byte-level BPE tokenizer.")
     shape = dict(SIZES[size])
     vocab_size = max(len(tokenizer), shape.pop("vocab_size", 0))
+    check_need(checkpoint_need(4 * n_parameters({**shape, "vocab_size": vocab_size})), Path(out))
     config = GPT2Config(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, **shape)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).eval()

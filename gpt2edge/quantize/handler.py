@@ -21,6 +21,7 @@ from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder_checks import check_output_dir, check_sources
 from gpt2edge.manifest import graph_files, load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
+from gpt2edge.resources import check_need, quantize_need
 
 # bits of the widest tensor each precision stores; a variant can only be made from a wider parent
 WIDTH = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
@@ -54,6 +55,8 @@ class Recipe:
     head_block: int | None = None  # the tied table's block once fitted to n_embd (None: the asked one)
     position_block: int | None = None  # the position table's block once fitted to n_embd
     block_defaulted: bool = False  # block_size is the mode's default, not asked for: fitted() may shrink it
+    target: str | None = None  # the CPU the defaults were chosen for (targets.py); None: the built-in defaults
+    int8_op: str = "MatMulNBits"  # int8 layers: weight-only MatMulNBits, or DynamicQuantizeMatMul (u8s8 GEMM)
 
     @property
     def weight_bits(self) -> int | None:
@@ -103,8 +106,12 @@ class Recipe:
                 symmetric=self.symmetric,
                 op="com.microsoft.MatMulNBits",
             )
+            if self.int8_op != "MatMulNBits":
+                out.update(layer_op=f"com.microsoft.{self.int8_op}", layer_quantization="per-column int8, symmetric")
         else:
             out.update(fp32_ops=["LayerNormalization", "Softmax", "LogSoftmax", "MLP GELU"], kv_dtype="float16")
+        if self.target is not None:
+            out["target"] = self.target
         return out
 
 
@@ -115,24 +122,33 @@ def make_recipe(
     head_bits: int | None = None,
     keep_head_fp32: bool = False,
     symmetric: bool | None = None,
+    target: str | None = None,
 ) -> Recipe:
-    """Validate the options of a mode and fill in its defaults."""
+    """Validate the options of a mode and fill in its defaults: the built-in ones, or `target`'s (a name of
+    targets.TARGETS; "native": this machine's, probed). An option given explicitly always wins."""
     from gpt2edge.quantize.primitives import check_block_size
+    from gpt2edge.quantize.targets import RECIPES, check_target
 
     if mode not in MODES:
         raise QuantizeError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")
+    if target is not None:
+        target = check_target(None if target == "native" else target)  # an unknown name: refused here
     if mode == "fp16":
         if any(x is not None for x in (block_size, accuracy_level, head_bits, symmetric)) or keep_head_fp32:
             raise QuantizeError(
                 "--block-size, --accuracy-level, --head-bits, --keep-head-fp32 and --symmetric/--asymmetric apply "
                 "to int8/int4, not fp16."
             )
-        return Recipe("fp16")
+        return Recipe("fp16", target=target)
+    tuned = RECIPES.get(target) if target is not None else None
     block_defaulted = block_size is None
-    block_size = DEFAULT_BLOCK_SIZE[mode] if block_size is None else block_size
+    if block_size is None:
+        block_size = DEFAULT_BLOCK_SIZE[mode]
+        if tuned is not None:
+            block_size = tuned.int4_block if mode == "int4" else tuned.int8_block
     check_block_size(block_size)
     if accuracy_level is None:
-        accuracy_level = DEFAULT_ACCURACY_LEVEL
+        accuracy_level = DEFAULT_ACCURACY_LEVEL if tuned is None else tuned.accuracy_level
     if accuracy_level not in ACCURACY_LEVELS:
         raise QuantizeError(f"--accuracy-level must be 0..4, got {accuracy_level}.")
     if keep_head_fp32 and head_bits is not None:
@@ -142,9 +158,21 @@ def make_recipe(
     if mode == "int8" and head_bits == 4:
         raise QuantizeError("--head-bits 4 is for int4; an int8 model keeps its head at 8 bits or fp32.")
     if symmetric is None:
-        symmetric = DEFAULT_SYMMETRIC[mode]
+        symmetric = DEFAULT_SYMMETRIC[mode] if tuned is None or mode != "int4" else tuned.int4_symmetric
+    if head_bits is None and tuned is not None and not keep_head_fp32:
+        head_bits = tuned.head_bits
     head_bits = None if keep_head_fp32 else (8 if head_bits is None else head_bits)
-    return Recipe(mode, block_size, accuracy_level, head_bits, symmetric, block_defaulted=block_defaulted)
+    int8_op = tuned.int8_op if tuned is not None and mode == "int8" else "MatMulNBits"
+    return Recipe(
+        mode,
+        block_size,
+        accuracy_level,
+        head_bits,
+        symmetric,
+        block_defaulted=block_defaulted,
+        target=target,
+        int8_op=int8_op,
+    )
 
 
 def quantize_model(
@@ -197,6 +225,8 @@ def quantize_model(
     check_output_dir(out, force, sources=[src])
     if report:
         check_report_text(src, text)  # an empty or one-token --text, refused before the work
+    parent_bytes = sum(parent["files"][f]["size"] for f in graph_files(parent))
+    check_need(quantize_need(parent_bytes, recipe.mode, report), out)  # before any work: memory and disk
     verify_files(src, info)
 
     with tqdm(
@@ -225,6 +255,7 @@ def quantize_model(
                 recipe.head_block_size or 0,
                 recipe.accuracy_level,
                 recipe.symmetric,
+                layer_op=recipe.int8_op,
                 base_dir=graph_path.parent,
                 in_place=True,
             )
@@ -274,9 +305,19 @@ def _variant_manifest(parent: dict, src: Path, recipe: Recipe, files: list[str],
                 "precision": parent["graph"].get("precision", "fp32"),
                 "sha256": {f: parent["files"][f]["sha256"] for f in parent_files},
             },
+            "cpu": _cpu_record(recipe),
             "size_before": before,
             "size_after": after,
             "ratio": after / before,
         },
     )
     return manifest
+
+
+def _cpu_record(recipe: Recipe) -> dict[str, Any] | None:
+    """The quantizing machine's CPU as probed (flags, what it runs), when a target was chosen by or for it."""
+    if recipe.target is None:
+        return None
+    from gpt2edge.quantize.targets import detect
+
+    return detect().to_json()

@@ -46,6 +46,19 @@ def matmulnbits_node(
     return [node], inits
 
 
+def dynamic_int8_node(name: str, a: str, prefix: str, w: np.ndarray, out: str) -> tuple[list, list]:
+    """y = a @ W as DynamicQuantizeMatMul: W (K, N) as int8 codes with one symmetric scale per column; the
+    activations are quantized to uint8 at run time (ONNX Runtime's u8s8 GEMM, which has AMX kernels)."""
+    scale = np.abs(w).max(axis=0) / 127.0  # (N,)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    codes = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)  # (K, N)
+    inits = [numpy_helper.from_array(codes, f"{prefix}.i8"), numpy_helper.from_array(scale, f"{prefix}.colscale")]
+    node = helper.make_node(
+        "DynamicQuantizeMatMul", [a, inits[0].name, inits[1].name], [out], name=name, domain=MS_DOMAIN
+    )
+    return [node], inits
+
+
 def _const(name: str, value) -> onnx.TensorProto:
     return numpy_helper.from_array(np.asarray(value), name)
 
@@ -131,6 +144,7 @@ def quantize_weights(
     head_block_size: int,
     accuracy_level: int = 0,
     symmetric: bool = False,
+    layer_op: str = "MatMulNBits",
     base_dir: Path | None = None,
     in_place: bool = False,
 ) -> onnx.ModelProto:
@@ -138,7 +152,9 @@ def quantize_weights(
     - every MatMul with a 2-D weight -> MatMulNBits at `bits` / `block_size`;
     - the head Gemm (tied embedding) -> MatMulNBits at `head_bits` / `head_block_size` (None: stays fp32),
       and the token-embedding Gather reads the same packed table;
-    - other embedding tables (positions) -> 8-bit rows dequantized in the graph.
+    - other embedding tables (positions) -> 8-bit rows dequantized in the graph;
+    - layer_op "DynamicQuantizeMatMul" (8 bits only): the layers' MatMuls become per-column int8
+      DynamicQuantizeMatMul instead (the head and tables as above).
 
     Streaming: `model` may be loaded without its external data (gpt2edge.onnx_stream.load_graph); each weight
     is then read from `base_dir` when it is quantized, so only one fp32 matrix is in memory at a time, and the
@@ -158,6 +174,17 @@ def quantize_weights(
     packed: dict[str, BlockQuantized] = {}  # every quantized weight, by initializer name
     for n in g.node:
         weight = n.input[1] if len(n.input) > 1 else None
+        if n.op_type == "MatMul" and layer_op == "DynamicQuantizeMatMul" and weight in inits:
+            if bits != 8:
+                raise QuantizeError("DynamicQuantizeMatMul layers are 8-bit; use MatMulNBits for int4.")
+            if len(inits[weight].dims) == 2:
+                nodes, qi = dynamic_int8_node(n.name, n.input[0], weight, array(inits[weight]), n.output[0])
+                if weight in dropped:  # shared by two nodes: the codes are already there
+                    qi = []
+                new_nodes += nodes
+                new_inits += qi
+                dropped.add(weight)
+                continue
         if weight in packed and n.op_type in ("MatMul", "Gemm"):
             q = packed[weight]  # a weight the exporter shared between two nodes: packed once, read twice
         elif n.op_type == "MatMul" and weight in inits and len(inits[weight].dims) == 2:
