@@ -22,6 +22,8 @@ import numpy as np
 _MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
 # external data offsets aligned to a page: ONNX Runtime can map them instead of copying
 ALIGN = 4096
+# smaller tensors stay in the graph file (onnx's own threshold): shape inference needs them there
+INLINE_BELOW = 1024
 
 
 def load_graph(path: Path):
@@ -127,6 +129,11 @@ def save_streaming(model, path: Path, bytes_of: BytesOf, external: bool) -> list
             for init in inits:
                 data = _payload(init, bytes_of)
                 if data is None:
+                    continue
+                if len(data) < INLINE_BELOW:  # shapes and other small constants: ONNX Runtime reads them inline
+                    bare = _bare(init)
+                    bare.raw_data = bytes(data)
+                    init.CopyFrom(bare)
                     continue
                 offset = -(-f.tell() // ALIGN) * ALIGN
                 f.seek(offset)
