@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 
-from gpt2edge.runtime.lm import OrtLM
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.spec_cache import CachedSequence
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.speculative.cache import CachedSequence
 
 K = 4
 

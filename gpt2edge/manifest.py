@@ -28,7 +28,7 @@ from gpt2edge.manifest_records import (
     check_relpath,
 )
 
-# names whose home is now gpt2edge.manifest_records, still imported from here by the tests and gpt2edge.runtime.lm
+# names whose home is now gpt2edge.manifest_records, still imported from here by the tests and gpt2edge.runtime.model.lm
 from gpt2edge.manifest_records import HEAD_MODES as HEAD_MODES
 from gpt2edge.manifest_records import KEEP_INPUT as KEEP_INPUT
 from gpt2edge.manifest_records import KV_CACHE_MODES as KV_CACHE_MODES

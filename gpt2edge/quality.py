@@ -19,12 +19,13 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import read_manifest
-from gpt2edge.runtime.generate import generate
-from gpt2edge.runtime.lm import OrtLM, load_graph
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.sampling import SamplingParams
-from gpt2edge.runtime.tokenizer import TextTokenizer
+from gpt2edge.runtime.decoding.generate import generate
+from gpt2edge.runtime.decoding.sampling import SamplingParams
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.lm import OrtLM, load_graph
+from gpt2edge.runtime.model.tokenizer import TextTokenizer
 from gpt2edge.sample_text import SAMPLE_TEXT
+from gpt2edge.trim.report import compare_trimmed, print_trim_rows
 
 DEFAULT_MAX_TOKENS = 256
 GREEDY_TOKENS = 64
@@ -212,9 +213,8 @@ def compare_folders(
     tokens, lp_a, greedy_a, starts, fa = folder_side(Path(a), None, text, max_tokens, device, limit)
     _, lp_b, greedy_b, _, fb = folder_side(Path(b), tokens, text, max_tokens, device, limit)
     if fa.info.vocab is not None or fb.info.vocab is not None:  # a trimmed head: compared on its kept ids
-        from gpt2edge.trim.report import compare_trimmed
-
-        report = compare_trimmed(lp_a, lp_b, tokens, greedy_a, greedy_b, fa.kept_ids(), fb.kept_ids(), starts)
+        report = compare_trimmed(lp_a, lp_b, tokens, fa.kept_ids(), fb.kept_ids())
+        report.update(greedy_fields(greedy_a, greedy_b, starts))
     else:
         report = compare(lp_a, lp_b, tokens, greedy_a, greedy_b, starts)
     report.update(
@@ -270,6 +270,4 @@ def print_report(report: dict[str, Any], title: str = "quality", file=sys.stdout
     for k, v in rows:
         print(f"  {k:<26} {v}", file=file)
     if "trim_kl" in report:  # a vocabulary-trimmed variant (gpt2edge.trim.report)
-        from gpt2edge.trim.report import print_trim_rows
-
         print_trim_rows(report, file=file)

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from gpt2edge.cli import main
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime import Generator
-from gpt2edge.runtime.sampling import SamplingParams, warp_row
+from gpt2edge.runtime.decoding.sampling import SamplingParams, warp_row
 
 
 @pytest.mark.parametrize("t", [1e-45, 1e-40, 1e-30])

@@ -15,7 +15,7 @@ from gpt2edge.cli import main
 from gpt2edge.convert.handler import convert_folder
 from gpt2edge.errors import ConvertError, GenerationError
 from gpt2edge.runtime import Generator, ModelFolder
-from gpt2edge.runtime.logprobs import top_ids
+from gpt2edge.runtime.decoding.logprobs import top_ids
 from gpt2edge.runtime.score import Scorer
 from gpt2edge.trim.handler import trim_vocab
 

@@ -13,9 +13,9 @@ from click.testing import CliRunner
 from gpt2edge.cli import main
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime import GenerationResult, Generator, available_devices
-from gpt2edge.runtime.beam import time_beam_search
-from gpt2edge.runtime.beam_search import BeamSearch, top_k_sorted
-from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
+from gpt2edge.runtime.decoding.beam import time_beam_search
+from gpt2edge.runtime.decoding.beam_search import BeamSearch, top_k_sorted
+from gpt2edge.runtime.model.kv_cache import KVCache, SharedKVCache
 
 EOS_EARLY = 19  # a token the tiny model emits within a few steps: makes hypotheses end early
 MARGIN = 2e-5  # ORT and PyTorch log-probs differ by ~1e-6; a closer decision could go either way

@@ -12,9 +12,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-import gpt2edge.runtime.generate as generate_loop
+import gpt2edge.runtime.decoding.generate as generate_loop
 from gpt2edge.cli import main
-from gpt2edge.runtime.tokenizer import StreamDecoder
+from gpt2edge.runtime.model.tokenizer import StreamDecoder
 
 GREEDY_ARGS = ("-p", "The river", "-n", "16", "--ignore-eos", "--json")
 

@@ -76,9 +76,9 @@ def library_choices() -> dict[tuple[str, str], tuple]:
     from gpt2edge.prompt_input import FORMATS as PROMPT_FORMATS
     from gpt2edge.quantize.handler import ACCURACY_LEVELS, HEAD_BITS, MODES
     from gpt2edge.quantize.primitives import BLOCK_SIZES
-    from gpt2edge.runtime.beam import EARLY_STOPPING_NAMES
+    from gpt2edge.runtime.decoding.beam import EARLY_STOPPING_NAMES
+    from gpt2edge.runtime.model.ort_session import PROVIDERS
     from gpt2edge.runtime.score import METHODS
-    from gpt2edge.runtime.session import PROVIDERS
 
     devices = {(c, "device"): tuple(PROVIDERS) for c in ("generate", "bench", "score", "serve")}
     return {

@@ -18,7 +18,7 @@ from gpt2edge.errors import GenerationError
 from gpt2edge.interactive import BANNER, run_interactive
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.conversation import ContextOverflow, ContextOverflowWarning
-from gpt2edge.runtime.generate import generate
+from gpt2edge.runtime.decoding.generate import generate
 
 REPO = Path(__file__).resolve().parents[1]
 TURNS = ["The river rose and", " the city", " was quiet. Then", " children"]

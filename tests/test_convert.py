@@ -17,7 +17,7 @@ from gpt2edge.convert import convert_folder
 from gpt2edge.convert.ort_format import required_operators
 from gpt2edge.errors import ConvertError, ModelFolderError
 from gpt2edge.runtime import Generator
-from gpt2edge.runtime.model_folder import ModelFolder
+from gpt2edge.runtime.model.folder import ModelFolder
 
 PROMPTS = ["The river rose and", "Visitors"]  # unequal lengths: the batch is left-padded
 N_NEW = 12
@@ -249,7 +249,7 @@ def test_converter_failure_leaves_nothing(tiny_export, tmp_path, monkeypatch):
 
 
 def test_runtime_reads_the_graph_format_from_the_manifest_not_the_file_name(ort_folders, tmp_path):
-    from gpt2edge.runtime.session import create_session
+    from gpt2edge.runtime.model.ort_session import create_session
 
     renamed = tmp_path / "graph.bin"
     shutil.copy(ort_folders["fp32"] / "model.ort", renamed)

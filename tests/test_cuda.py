@@ -11,7 +11,7 @@ from gpt2edge.export.validate import hf_step, position_ids_from_mask
 from gpt2edge.quality import compare_folders
 from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.runtime import Generator, available_devices
-from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.model.lm import OrtLM
 
 pytestmark = [
     pytest.mark.cuda,
@@ -21,7 +21,7 @@ CUDA_ATOL = 1e-3  # fp32 on GPU kernels (different reduction order) vs PyTorch o
 
 
 def test_cuda_logprobs_match_pytorch(tiny_export, hf_model):
-    from gpt2edge.runtime.model_folder import ModelFolder
+    from gpt2edge.runtime.model.folder import ModelFolder
 
     lm = OrtLM(ModelFolder.open(tiny_export), device="cuda")
     ids = np.random.default_rng(0).integers(0, hf_model.config.vocab_size, (2, 9), dtype=np.int64)

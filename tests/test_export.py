@@ -13,7 +13,7 @@ import torch
 from gpt2edge.export.validate import hf_step, position_ids_from_mask
 from gpt2edge.manifest import file_digest, read_manifest
 
-ATOL = 1e-4  # fp32 log-probs and presents vs PyTorch (README: "Parity thresholds")
+ATOL = 1e-4  # fp32 log-probs and presents vs PyTorch (docs/parity.md)
 
 
 def session(folder):

@@ -20,7 +20,7 @@ from gpt2edge.errors import ConvertError, ModelFolderError
 from gpt2edge.manifest import MANIFEST_NAME
 from gpt2edge.prompt_input import parse_prompts
 from gpt2edge.runtime import Generator
-from gpt2edge.runtime.kv_cache import KVCache
+from gpt2edge.runtime.model.kv_cache import KVCache
 
 REPO = Path(__file__).resolve().parents[1]
 DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON that Python's parser cannot nest this deep

@@ -11,12 +11,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import gpt2edge.runtime.generate as generate_module
+import gpt2edge.runtime.decoding.generate as generate_module
 from gpt2edge.cli import main
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime import Generator
-from gpt2edge.runtime.logprobs import LogprobRecorder, top_ids
-from gpt2edge.runtime.tokenizer import TextTokenizer
+from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, top_ids
+from gpt2edge.runtime.model.tokenizer import TextTokenizer
 
 GPT2_TOKENIZER = Path("/work/shared/gpt2-tokenizer")
 # sampling with every processor on: the recorded values must still be the model's own distribution

@@ -21,7 +21,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from gpt2edge.runtime.sampling import (
+from gpt2edge.runtime.decoding.sampling import (
     SamplingParams,
     apply_bad_words,
     apply_min_new_tokens,

@@ -1,5 +1,5 @@
 """Quantized variants: they run, meet stated quality thresholds against fp32, shrink the file, and refuse
-bad requests. Thresholds (also in the README) are for the tiny seeded test model, measured with ~3x margin:
+bad requests. Thresholds (also in docs/parity.md) are for the tiny seeded test model, measured with ~3x margin:
 
 | mode | mean KL(fp32 || variant) | top-1 agreement | max |Δ logprob| |
 | fp16 | <= 1e-4                  | >= 0.99         | <= 5e-2          |
@@ -366,7 +366,7 @@ def test_choices_are_click_choices_shown_in_help():
 
 
 def _one_token_text(folder) -> str:
-    from gpt2edge.runtime.tokenizer import TextTokenizer
+    from gpt2edge.runtime.model.tokenizer import TextTokenizer
 
     tok = TextTokenizer(folder / "tokenizer.json")
     text = tok.decode([tok.encode("The river")[0]])
@@ -463,8 +463,8 @@ def test_greedy_match_is_checked_from_several_points_of_the_text(tiny_export, tm
     assert report["greedy_match"] < 64 and report["greedy_match_start"] > 16
     assert report["greedy_match"] == min(g["match"] for g in report["greedy_matches"])
     # the figure is the real first divergence of the two folders' greedy tokens from that start
-    from gpt2edge.runtime.generate import generate
-    from gpt2edge.runtime.sampling import SamplingParams
+    from gpt2edge.runtime.decoding.generate import generate
+    from gpt2edge.runtime.decoding.sampling import SamplingParams
     from gpt2edge.sample_text import SAMPLE_TEXT
 
     params = SamplingParams(max_new_tokens=64, do_sample=False)

@@ -14,8 +14,8 @@ import torch
 
 from gpt2edge.errors import DeviceError, GenerationError, ModelFolderError
 from gpt2edge.runtime import Generator, SamplingParams, available_devices
-from gpt2edge.runtime.generate import generate, length_error
-from gpt2edge.runtime.tokenizer import StreamDecoder, TextTokenizer
+from gpt2edge.runtime.decoding.generate import generate, length_error
+from gpt2edge.runtime.model.tokenizer import StreamDecoder, TextTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gpt2edge.runtime.generate as generate_module
+import gpt2edge.runtime.decoding.generate as generate_module
 from gpt2edge.runtime import Generator
-from gpt2edge.runtime.tokenizer import StreamDecoder, TextTokenizer
+from gpt2edge.runtime.model.tokenizer import StreamDecoder, TextTokenizer
 
 GPT2_TOKENIZER = Path("/work/shared/gpt2-tokenizer")
 pytestmark = pytest.mark.skipif(not (GPT2_TOKENIZER / "vocab.json").is_file(), reason="GPT-2 tokenizer files absent")

@@ -11,7 +11,7 @@ from scipy import stats
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.sampling import SamplingParams, apply_processors, next_tokens, sample_index, warp_row
+from gpt2edge.runtime.decoding.sampling import SamplingParams, apply_processors, next_tokens, sample_index, warp_row
 
 V = 2000
 EOS = 7

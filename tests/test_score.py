@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.model_folder import ModelFolder
+from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.score import Scorer, windows
 from gpt2edge.sample_text import SAMPLE_TEXT
 

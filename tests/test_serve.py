@@ -28,8 +28,8 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)"
 
 from gpt2edge.manifest import read_manifest, write_manifest  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
-from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob  # noqa: E402
-from gpt2edge.runtime.tokenizer import TextTokenizer  # noqa: E402
+from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, TokenLogprob  # noqa: E402
+from gpt2edge.runtime.model.tokenizer import TextTokenizer  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.app import create_app  # noqa: E402
 from gpt2edge.serve.batch import advance, take_batch  # noqa: E402
@@ -769,7 +769,7 @@ def test_every_threads_option_takes_the_runtime_range(tiny_export, command):
     from click.testing import CliRunner
 
     from gpt2edge.cli import main
-    from gpt2edge.runtime.session import MAX_THREADS
+    from gpt2edge.runtime.model.ort_session import MAX_THREADS
 
     option = next(p for p in main.commands[command].params if p.name == "threads")
     assert (option.type.min, option.type.max) == (1, MAX_THREADS)

@@ -16,13 +16,14 @@ import pytest
 
 from gpt2edge.errors import ConvertError, GenerationError, ModelFolderError, QuantizeError
 from gpt2edge.manifest import KEEP_INPUT, read_manifest, write_manifest
-from gpt2edge.runtime import Generator, SamplingParams, spec_rules
-from gpt2edge.runtime.drafters import lookup
-from gpt2edge.runtime.lm import OrtLM
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.spec_cache import CachedSequence
-from gpt2edge.runtime.spec_rules import check_params
-from gpt2edge.runtime.speculative import SpecState
+from gpt2edge.runtime import Generator, SamplingParams
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.speculative import rules as spec_rules
+from gpt2edge.runtime.speculative.cache import CachedSequence
+from gpt2edge.runtime.speculative.drafters import lookup
+from gpt2edge.runtime.speculative.rules import check_params
+from gpt2edge.runtime.speculative.speculator import SpecState
 
 TIE = 1e-5  # top-two log-prob gap below which greedy's pick is a numerical tie
 PROMPTS = ["The river rose and the river rose", "Children learned to swim", "a b a b a b", "The city"]
@@ -303,7 +304,7 @@ def _samples(gen: Generator, prompt: list[int], n: int = N_SAMPLES) -> tuple[lis
     for seed in range(n):
         p = dataclasses.replace(params, seed=seed)
         if gen.speculator is None:
-            from gpt2edge.runtime.generate import generate
+            from gpt2edge.runtime.decoding.generate import generate
 
             state = generate(gen.lm, gen.tokenizer, [prompt], p, gen.pad_token_id)
         else:
@@ -319,7 +320,7 @@ def _samples(gen: Generator, prompt: list[int], n: int = N_SAMPLES) -> tuple[lis
 def _lookup_prompt(gen: Generator) -> list[int]:
     """P + s + P, where s is the target's greedy continuation of that very prompt (a fixed point, approached in
     a few rounds): after P, prompt lookup then drafts s, the likeliest path, so drafts are often accepted."""
-    from gpt2edge.runtime.generate import generate
+    from gpt2edge.runtime.decoding.generate import generate
 
     head = gen.tokenizer.encode("The city")
     s = head
@@ -354,7 +355,7 @@ def test_sampling_follows_the_target_distribution(targets, drafts, drafter, monk
     assert stat < limit, f"speculative sampling: chi-square {stat:.1f} >= {limit:.1f} (TV {tv:.3f})"
 
     for broken in (_accept_all, _reject_from_p):
-        monkeypatch.setattr("gpt2edge.runtime.speculative.verify_sampled", broken)
+        monkeypatch.setattr("gpt2edge.runtime.speculative.speculator.verify_sampled", broken)
         samples, _ = _samples(spec, prompt, N_SAMPLES // 2)  # half as many samples: they fail by far
         caught = not set(samples) <= set(dist) or np.subtract(*_chi_square(samples, dist)[:2]) >= 0
         assert caught, f"the test cannot tell {broken.__name__} from the rule"
@@ -390,7 +391,7 @@ def test_prompt_lookup_copies_what_followed_the_last_ngram():
 
 
 def test_adaptive_draft_length_follows_acceptance(targets):
-    from gpt2edge.runtime.speculative import ADAPTIVE_MAX, DraftLength
+    from gpt2edge.runtime.speculative.speculator import ADAPTIVE_MAX, DraftLength
 
     k = DraftLength()
     k.update(4, 4)

@@ -26,9 +26,9 @@ from gpt2edge.export.static import (
 )
 from gpt2edge.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_files
 from gpt2edge.runtime import Generator, ModelFolder
-from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.static_lm import StaticLM
 from gpt2edge.runtime.score import Scorer
-from gpt2edge.runtime.static_lm import StaticLM
 
 SHAPE = StaticShape(batch=2, chunk=8, capacity=64)
 GREEDY = dict(max_new_tokens=16, do_sample=False, ignore_eos=True)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpt2edge.runtime.beam_search import BeamSearch
-from gpt2edge.runtime.columns import Columns
-from gpt2edge.runtime.logprobs import LogprobRecorder
-from gpt2edge.runtime.sampling import SamplingParams, apply_processors, next_tokens, softmax, warp_row
+from gpt2edge.runtime.decoding.beam_search import BeamSearch
+from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
+from gpt2edge.runtime.decoding.sampling import SamplingParams, apply_processors, next_tokens, softmax, warp_row
+from gpt2edge.runtime.model.columns import Columns
 
 EOS = 5
 

@@ -11,8 +11,8 @@ import pytest
 
 from gpt2edge.errors import ModelFolderError
 from gpt2edge.runtime import Generator, ModelFolder
-from gpt2edge.runtime.columns import Columns
-from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.model.columns import Columns
+from gpt2edge.runtime.model.lm import OrtLM
 from gpt2edge.runtime.score import Scorer
 from gpt2edge.trim.handler import trim_vocab
 

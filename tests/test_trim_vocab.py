@@ -20,7 +20,7 @@ from gpt2edge.manifest import Manifest, read_manifest, write_manifest
 from gpt2edge.quality import compare_folders, stream_logprobs
 from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.runtime import Generator, ModelFolder
-from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.model.lm import OrtLM
 from gpt2edge.sample_text import SAMPLE_TEXT
 from gpt2edge.trim.handler import trim_vocab
 from gpt2edge.trim.keep import byte_token_ids

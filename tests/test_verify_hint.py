@@ -14,7 +14,7 @@ from gpt2edge.cli import main
 from gpt2edge.errors import ChecksumError, ModelFolderError
 from gpt2edge.manifest import verify_files
 from gpt2edge.runtime import Generator
-from gpt2edge.runtime.model_folder import ModelFolder
+from gpt2edge.runtime.model.folder import ModelFolder
 
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 COMMANDS = ["generate", "bench", "parity", "score", "quantize", "convert", "trim-vocab", "serve"]

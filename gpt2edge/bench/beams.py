@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from gpt2edge.bench.workload import BenchConfig, Workload, bench_prompts, progress
-from gpt2edge.runtime.beam import time_beam_search
+from gpt2edge.runtime.decoding.beam import time_beam_search
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from tqdm import tqdm
 
 from gpt2edge.bench.workload import SAMPLING, BenchConfig, bench_prompts
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.generate import GenerationState, generate
+from gpt2edge.runtime.decoding.generate import GenerationState, generate
+from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.generator import Generator
-from gpt2edge.runtime.sampling import SamplingParams
-from gpt2edge.runtime.speculative import SpecState
+from gpt2edge.runtime.speculative.speculator import SpecState
 
 
 @dataclass

@@ -13,7 +13,7 @@ import click
 
 from gpt2edge import __version__
 from gpt2edge.errors import ChecksumError, Gpt2EdgeError
-from gpt2edge.runtime.session import MAX_THREADS, PROVIDERS
+from gpt2edge.runtime.model.ort_session import MAX_THREADS, PROVIDERS
 
 
 def friendly_errors(fn):

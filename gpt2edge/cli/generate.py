@@ -68,7 +68,7 @@ def generate(
     """
     from gpt2edge.prompt_input import collect_prompts
     from gpt2edge.runtime import Generator
-    from gpt2edge.runtime.beam import search_params
+    from gpt2edge.runtime.decoding.beam import search_params
 
     _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, interactive, truncate, sequential)
     _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping)

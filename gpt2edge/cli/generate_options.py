@@ -13,7 +13,7 @@ import click
 
 from gpt2edge.cli.common import DEVICES, SEEDS, THREADS, THREADS_HELP, finite_range
 from gpt2edge.prompt_input import FORMATS
-from gpt2edge.runtime.beam import EARLY_STOPPING_NAMES
+from gpt2edge.runtime.decoding.beam import EARLY_STOPPING_NAMES
 
 
 def _cfg_default(value: object) -> str:

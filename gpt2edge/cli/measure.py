@@ -254,7 +254,7 @@ def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
 def score(model_dir, text_file, max_length, stride, method, device, threads, no_verify, as_json) -> None:
     """Log-likelihood and perplexity of the text in TEXT_FILE (default: stdin) under MODEL_DIR."""
     from gpt2edge.errors import GenerationError
-    from gpt2edge.runtime.model_folder import ModelFolder
+    from gpt2edge.runtime.model.folder import ModelFolder
     from gpt2edge.runtime.score import Scorer
 
     try:

@@ -54,7 +54,7 @@ def _host(ctx, param, value: str) -> str:
     type=finite_range(0, 1000),
     default=50.0,
     show_default=True,
-    help="Longest wait for a new batch to fill (see README: Serve).",
+    help="Longest wait for a new batch to fill (see docs/serve.md).",
 )
 @click.option("--device", type=DEVICES, default="cpu", show_default=True)
 @click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)

@@ -111,7 +111,7 @@ def genai_config(
 
 def tokenizer_config(tokenizer_json: Path, generation: dict[str, Any], n_positions: int) -> dict[str, Any]:
     """genai's tokenizer reads tokenizer.json plus this file (the class and the special tokens by text)."""
-    from gpt2edge.runtime.tokenizer import load_tokenizer
+    from gpt2edge.runtime.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer_json)
     eos_ids = _token_ids(generation.get("eos_token_id"))  # id 0 is a valid id: test for presence, not truth

@@ -19,7 +19,7 @@ from gpt2edge.errors import ConvertError
 from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder_checks import check_output_dir
 from gpt2edge.manifest import graph_files, read_manifest, verify_files, write_manifest
-from gpt2edge.runtime.model_folder import ModelFolder
+from gpt2edge.runtime.model.folder import ModelFolder
 
 FORMATS = ("ort", "genai")
 
@@ -83,7 +83,7 @@ def _copy_side_files(src: Path, parent: dict[str, Any], tmp: Path) -> None:
 
 def _write_ort(folder: ModelFolder, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     from gpt2edge.convert.ort_format import convert_to_ort
-    from gpt2edge.runtime.session import create_session
+    from gpt2edge.runtime.model.ort_session import create_session
 
     conv = convert_to_ort(folder.graph_path, tmp)
     create_session(tmp / conv.file, model_format="ort")  # the file loads as the runtime will load it

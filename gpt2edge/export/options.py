@@ -11,7 +11,7 @@ from gpt2edge.errors import ExportError
 
 SUPPORTED_OPSETS = range(18, 24)  # the dynamo exporter starts at 18; 23 is the newest ONNX Runtime runs here
 DEFAULT_OPSET = 18
-DEFAULT_ATOL = 1e-4  # fp32 log-probs and presents vs PyTorch (README: "Parity thresholds")
+DEFAULT_ATOL = 1e-4  # fp32 log-probs and presents vs PyTorch (docs/parity.md)
 
 
 def check_opset(opset: int) -> None:

@@ -17,7 +17,7 @@ cache is used, and no Scatter (poorly supported by NNAPI/CoreML) is needed. Atte
 slots, masked by attention_mask and causality on slots; the row of the last real token is picked with a
 one-hot MatMul too, so a padded last chunk needs no extra input. LayerNorm is written out (NNAPI has no
 LayerNormalization). Two graphs: prefill (chunk C) and decode (chunk 1; with C = 1 the prefill graph decodes
-too), whose weights are stored once, in WEIGHTS_FILE. The runtime side is gpt2edge.runtime.static_lm.
+too), whose weights are stored once, in WEIGHTS_FILE. The runtime side is gpt2edge.runtime.model.static_lm.
 
 Reuses ExportableGPT2's modules (same weights, same maths as the dynamic `concat` graph); model.py is not
 touched.

@@ -15,8 +15,8 @@ import numpy as np
 
 from gpt2edge.export.options import DEFAULT_ATOL, StaticShape
 from gpt2edge.export.validate import Check, hf_step
-from gpt2edge.runtime.generate import position_ids_from_mask
-from gpt2edge.runtime.static_lm import StaticLM
+from gpt2edge.runtime.decoding.generate import position_ids_from_mask
+from gpt2edge.runtime.model.static_lm import StaticLM
 
 
 def static_inputs(vocab_size: int, shape: StaticShape, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -201,7 +201,7 @@ def quantize_model(
     if info.graph.static is not None:
         raise QuantizeError(
             f"{src} is a static-shape export (--static): its two graphs share one weights file, which these "
-            "rewrites do not keep; quantize for the target NPU with its own tools (see the README)."
+            "rewrites do not keep; quantize for the target NPU with its own tools (see docs/export.md, Static shapes)."
         )
     precision = info.graph.precision
     if precision != "fp32":

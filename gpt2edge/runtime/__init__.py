@@ -1,8 +1,9 @@
 """Generation on ONNX Runtime with NumPy sampling. Needs numpy, onnxruntime and tokenizers; never torch."""
 
-from gpt2edge.runtime.generator import GenerationResult, Generator
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.sampling import SamplingParams
-from gpt2edge.runtime.session import available_devices
+from gpt2edge.runtime.decoding.sampling import SamplingParams
+from gpt2edge.runtime.generator import Generator
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.ort_session import available_devices
+from gpt2edge.runtime.results import GenerationResult
 
 __all__ = ["GenerationResult", "Generator", "ModelFolder", "SamplingParams", "available_devices"]

@@ -21,19 +21,33 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.beam import check_one_sequence
-from gpt2edge.runtime.columns import forward_columns
-from gpt2edge.runtime.generate import GenerationState, Step, decode_n_tokens
-from gpt2edge.runtime.lm import OrtLM
-from gpt2edge.runtime.tokenizer import TextStream
+from gpt2edge.runtime.decoding.beam import check_one_sequence
+from gpt2edge.runtime.decoding.generate import GenerationState, Step, decode_n_tokens
+from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
+from gpt2edge.runtime.decoding.sampling_params import SamplingParams
+from gpt2edge.runtime.model.columns import forward_columns
+from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
+from gpt2edge.runtime.results import GenerationResult, results_of
 
-if TYPE_CHECKING:
-    from gpt2edge.runtime.generator import GenerationResult, Generator
+
+class GeneratorLike(Protocol):
+    """What a Conversation uses of its gpt2edge.runtime.generator.Generator (a protocol, so that this module
+    does not import the one that creates it: generator -> conversation, never back)."""
+
+    tokenizer: TextTokenizer
+    defaults: dict[str, Any]
+    bos_token_id: int
+    pad_token_id: int
+
+    def sampling_params(self, **kwargs: Any) -> SamplingParams: ...
+
+    def logprob_recorder(self, n: int | None, batch: int) -> LogprobRecorder | None: ...
 
 
 class ContextOverflowWarning(UserWarning):
@@ -71,7 +85,7 @@ class Conversation:
     """
 
     def __init__(
-        self, generator: Generator, lm: OrtLM, on_overflow: Callable[[ContextOverflow], None] | None = None
+        self, generator: GeneratorLike, lm: OrtLM, on_overflow: Callable[[ContextOverflow], None] | None = None
     ) -> None:
         self.generator = generator
         self.lm = lm
@@ -128,7 +142,7 @@ class Conversation:
                         callback(step)
             except KeyboardInterrupt:
                 state.finish_reasons = [r or "interrupted" for r in state.finish_reasons]
-        return self.generator._results(state)[0]
+        return results_of(state)[0]
 
     def stream(
         self,
@@ -160,7 +174,7 @@ class Conversation:
             if tail:
                 yield tail
         if result is not None:
-            result.append(self.generator._results(state)[0])
+            result.append(results_of(state)[0])
 
     def _prepare(self, ignore_eos, stop, seed, logprobs, sampling) -> GenerationState:
         """Check the turn's parameters before anything changes; raises GenerationError."""

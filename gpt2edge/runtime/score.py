@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.columns import forward_columns, lm_columns
-from gpt2edge.runtime.lm import OrtLM, load_graph
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.session import create_session, quiet_run_options, run_errors
-from gpt2edge.runtime.tokenizer import TextTokenizer
+from gpt2edge.runtime.model.columns import forward_columns, lm_columns
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.lm import OrtLM, load_graph
+from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
+from gpt2edge.runtime.model.tokenizer import TextTokenizer
 
 METHODS = ("auto", "head-all", "token-by-token")
 

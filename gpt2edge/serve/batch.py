@@ -11,7 +11,7 @@ from gpt2edge.errors import Gpt2EdgeError
 from gpt2edge.serve.jobs import Failure, Job, Piece, Row
 
 if TYPE_CHECKING:
-    from gpt2edge.runtime.logprobs import TokenLogprob
+    from gpt2edge.runtime.decoding.logprobs import TokenLogprob
 
 log = logging.getLogger("gpt2edge.serve")
 

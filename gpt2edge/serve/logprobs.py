@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from gpt2edge.serve.rowtext import Decoder
 
 if TYPE_CHECKING:
-    from gpt2edge.runtime.logprobs import TokenLogprob
+    from gpt2edge.runtime.decoding.logprobs import TokenLogprob
 
 FLOOR = -9999.0  # OpenAI's stand-in for a log-prob of -inf (a token the model gives probability 0; JSON has no inf)
 

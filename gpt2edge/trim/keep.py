@@ -18,7 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer, pre_tokenizers
 
 from gpt2edge.errors import TrimError
-from gpt2edge.runtime.tokenizer import load_tokenizer
+from gpt2edge.runtime.model.tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)

@@ -40,15 +40,11 @@ def compare_trimmed(
     ref_lp: np.ndarray,
     var_lp: np.ndarray,
     tokens: Sequence[int],
-    ref_greedy: Sequence[list[int]],
-    var_greedy: Sequence[list[int]],
     kept_ref: np.ndarray | None,
     kept_var: np.ndarray | None,
-    starts: Sequence[int],
 ) -> dict[str, Any]:
-    """The report from two (T, V) log-prob matrices (-inf on dropped ids) over the same stream, and the greedy
-    continuations of both sides from each prompt length in `starts` (as gpt2edge.quality.compare)."""
-    from gpt2edge.quality import greedy_fields
+    """The report from two (T, V) log-prob matrices (-inf on dropped ids) over the same stream. The greedy
+    fields are gpt2edge.quality's, which joins them (this module imports nothing of gpt2edge: quality -> here)."""
     ref = ref_lp.astype(np.float64)
     var = var_lp.astype(np.float64)
     V = ref.shape[1]
@@ -75,7 +71,6 @@ def compare_trimmed(
         "max_abs_logprob_diff": float(np.abs(r - v).max()),
         "perplexity_reference": ppl(ref),
         "perplexity_variant": ppl(var),
-        **greedy_fields(ref_greedy, var_greedy, starts),
         "compared_on": "kept ids (reference restricted and renormalised)",
         "kept": int(support.size),
         "kept_mass_mean": float(np.exp(log_mass).mean()),

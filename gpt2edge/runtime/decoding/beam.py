@@ -15,14 +15,14 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.beam_search import BeamSearch
-from gpt2edge.runtime.columns import Columns, lm_columns
-from gpt2edge.runtime.expand import prefill_expanded
-from gpt2edge.runtime.generate import GenerationState, Step, decode_one_token
-from gpt2edge.runtime.lm import OrtLM
-from gpt2edge.runtime.sampling import SamplingParams, apply_processors
-from gpt2edge.runtime.sampling_params import _is_int, _is_real
-from gpt2edge.runtime.tokenizer import TextStream, TextTokenizer
+from gpt2edge.runtime.decoding.beam_search import BeamSearch
+from gpt2edge.runtime.decoding.expand import prefill_expanded
+from gpt2edge.runtime.decoding.generate import GenerationState, Step, decode_one_token
+from gpt2edge.runtime.decoding.sampling import SamplingParams, apply_processors
+from gpt2edge.runtime.decoding.sampling_params import _is_int, _is_real
+from gpt2edge.runtime.model.columns import Columns, lm_columns
+from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 
 SEARCH_KEYS = ("num_beams", "num_return_sequences", "length_penalty", "early_stopping")
 _EARLY_STOPPING = {"true": True, "false": False, "never": "never"}

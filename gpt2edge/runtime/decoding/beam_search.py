@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gpt2edge.runtime.columns import Columns
-from gpt2edge.runtime.sampling import top_k_pool
+from gpt2edge.runtime.decoding.sampling import top_k_pool
+from gpt2edge.runtime.model.columns import Columns
 
 BIG = np.float32(1e9)  # transformers' "very large" score offset
 

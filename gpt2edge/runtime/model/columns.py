@@ -4,7 +4,7 @@ A trimmed graph (gpt2edge trim-vocab) returns (B, K) log-probs: column j scores 
 The generate loops sample, record and beam-search on those K columns and map only what leaves them (the chosen
 tokens, logprobs records, beam tokens) back to full ids; the processors map the full ids they read (seen
 tokens, bans, EOS) to columns. Because the map is increasing, "lower column" and "lower id" order ties alike,
-so every choice is the one the full (B, V) row with -inf at the dropped ids gives (gpt2edge.runtime.sampling
+so every choice is the one the full (B, V) row with -inf at the dropped ids gives (gpt2edge.runtime.decoding.sampling
 says where the float arithmetic must still see the full row's layout).
 """
 

@@ -1,5 +1,5 @@
 """Exact speculative decoding: a drafter proposes k tokens, the target checks them all in ONE forward of k + 1
-tokens (batch 1, on its KV cache), and the accept/reject rule (spec_rules.py) keeps the output the target's:
+tokens (batch 1, on its KV cache), and the accept/reject rule (rules.py) keeps the output the target's:
 token-identical to plain greedy decoding under greedy, the target's distribution under sampling.
 
 One round, with history = prompt + generated tokens (the last of them not yet in the target's cache):
@@ -7,7 +7,7 @@ One round, with history = prompt + generated tokens (the last of them not yet in
   2. verify: feed [last token, d1 .. dk] -> log-probs after each of them, (k + 1, V) (a --head tail target
      returns just these k + 1 positions; --head all works too)
   3. accept d1 .. dn, take the target's token t after them (a correction, or a bonus when n = k)
-  4. roll back the cache entries of the k - n rejected drafts (spec_cache.py), emit d1 .. dn, t
+  4. roll back the cache entries of the k - n rejected drafts (cache.py), emit d1 .. dn, t
 k adapts unless fixed: +2 after a round that accepted every draft, -1 otherwise (transformers' heuristic).
 """
 
@@ -23,15 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from gpt2edge.errors import GenerationError, ModelFolderError
-from gpt2edge.runtime.drafters import Draft, ModelDrafter, PromptLookupDrafter, check_lookup, draft_warnings
-from gpt2edge.runtime.generate import GenerationState, Step, length_error
-from gpt2edge.runtime.lm import OrtGraph, OrtLM
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.pool import LMPool
-from gpt2edge.runtime.sampling import SamplingParams
-from gpt2edge.runtime.spec_cache import CachedSequence
-from gpt2edge.runtime.spec_rules import check_params, greedy_token, target_dist, verify_greedy, verify_sampled
-from gpt2edge.runtime.tokenizer import TextStream, TextTokenizer
+from gpt2edge.runtime.decoding.generate import GenerationState, Step, length_error
+from gpt2edge.runtime.decoding.sampling import SamplingParams
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.lm import OrtGraph, OrtLM
+from gpt2edge.runtime.model.pool import LMPool
+from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
+from gpt2edge.runtime.speculative.cache import CachedSequence
+from gpt2edge.runtime.speculative.drafters import Draft, ModelDrafter, PromptLookupDrafter, check_lookup, draft_warnings
+from gpt2edge.runtime.speculative.rules import check_params, greedy_token, target_dist, verify_greedy, verify_sampled
 
 ADAPTIVE_START = 4  # first k when --draft-tokens is not given
 ADAPTIVE_MAX = 16  # the adaptive k never exceeds this

@@ -1,5 +1,5 @@
 """The exported graph as a language model: OrtGraph (the loaded session, shared by threads) and OrtLM (one
-generation's KV cache and IO binding on it); gpt2edge.runtime.pool.LMPool hands each call an OrtLM of its own.
+generation's KV cache and IO binding on it); gpt2edge.runtime.model.pool.LMPool hands each call an OrtLM of its own.
 
 Thread safety: ONNX Runtime's InferenceSession.run is thread-safe, an IOBinding and a KV cache are not. So
 everything mutable lives in OrtLM, and concurrent generations each use their own OrtLM on one OrtGraph.
@@ -8,15 +8,15 @@ everything mutable lives in OrtLM, and concurrent generations each use their own
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 
 from gpt2edge.errors import DeviceError, ModelFolderError
 from gpt2edge.manifest import KEEP_INPUT
-from gpt2edge.runtime.columns import Columns
-from gpt2edge.runtime.kv_cache import KVCache, SharedKVCache
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.session import ORT_DEVICE, create_session, quiet_run_options, run_errors
-from gpt2edge.runtime.static_lm import StaticGraph
+from gpt2edge.runtime.model.cache_rows import CacheRows
+from gpt2edge.runtime.model.columns import Columns
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.kv_cache import KVCache, SharedKVCache
+from gpt2edge.runtime.model.ort_session import ORT_DEVICE, create_session, quiet_run_options, run_errors
+from gpt2edge.runtime.model.static_lm import StaticGraph
 
 
 class OrtGraph:
@@ -30,7 +30,7 @@ class OrtGraph:
     ) -> None:
         if folder.graph.static is not None:
             raise ModelFolderError(
-                f"{folder.path} is a static-shape export (--static); load it with gpt2edge.runtime.lm.load_graph "
+                f"{folder.path} is a static-shape export (--static); load it with gpt2edge.runtime.model.lm.load_graph "
                 "(or Generator), which runs it with StaticLM."
             )
         self.folder = folder
@@ -107,7 +107,7 @@ def load_graph(
     return OrtGraph(folder, device=device, threads=threads, spin=spin)
 
 
-class OrtLM:
+class OrtLM(CacheRows):
     """One generation at a time on a graph: forward(ids, mask, positions) -> next-token log-probs (B, V).
 
     The KV cache lives inside. The contract (generate loops, quality, beam search):
@@ -123,6 +123,8 @@ class OrtLM:
       compact(slots)        concat cache: keep only those positions, moved to the front (one copy).
       forward_kept(...)     a vocabulary-trimmed head's own (B, K) columns (`columns` maps them to token ids).
     Not thread-safe: use one OrtLM per concurrent generation (LMPool), all on one OrtGraph.
+    The cache's rows and positions (start, use_rows, expand_rows, reorder_rows, rewind, compact) are in
+    gpt2edge.runtime.model.cache_rows.CacheRows; this class runs the graph.
 
     `graph` is a loaded OrtGraph to share, or a ModelFolder to load (with `device` and `threads`).
     """
@@ -148,56 +150,6 @@ class OrtLM:
         self._bound_seq = 0  # new positions per step of the current binding (shared-cache graphs reuse it)
         self._bound_keep = 0  # positions of log-probs the current binding returns (tail head)
         self._tail = np.empty(0, dtype=np.float32)  # flat buffer a tail head's (B, keep, V) output is bound to
-
-    def start(self, batch: int, length: int) -> None:
-        """Prepare for a generation of `batch` rows and at most `length` positions: one allocation."""
-        self.past_len = 0
-        self._bound_seq = 0  # new buffers below: bind afresh
-        if self.io_binding or self.shared:
-            self.cache.reserve(batch, length)
-        if self.io_binding:
-            if self._mask.size < batch * length:
-                self._mask = np.empty(batch * length, dtype=np.int64)
-        self._set_rows(batch)
-
-    def _set_rows(self, rows: int) -> None:
-        """Size the per-row buffers (the bound log-probs, or the unbound empty past) for steps of `rows` rows."""
-        self._bound_seq = 0  # the batch changed: bind afresh
-        if self.io_binding:
-            if self.folder.head == "last":
-                shape = (rows, self.vocab_size if self.kept_ids is None else len(self.kept_ids))
-                if self.device == "cpu":
-                    self._logprobs = np.empty(shape, dtype=np.float32)
-                else:
-                    self._logprobs = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, "cuda", 0)
-        elif not self.shared:
-            empty = np.zeros((rows, self.n_head, 0, self.head_dim), dtype=self.kv_dtype)
-            self._presents = [empty] * len(self.past_names)
-
-    def use_rows(self, rows: int) -> None:
-        """Before the prefill: run it on the first `rows` of the rows start() reserved; expand_rows then fills
-        the rest from them (one prefill for several beams or samples, one cache allocation)."""
-        if self.io_binding or self.shared:
-            self.cache.set_rows(rows)
-        self._set_rows(rows)
-
-    def expand_rows(self, factor: int) -> None:
-        """After the prefill: row r's cache is copied into rows r*factor .. r*factor+factor-1."""
-        if self.io_binding or self.shared:
-            self.cache.expand_rows(factor, self.past_len)
-            rows = self.cache.rows
-        else:
-            self._presents = [np.repeat(p, factor, axis=0) for p in self._presents]
-            rows = len(self._presents[0])
-        if self.io_binding:
-            self._set_rows(rows)
-
-    def reorder_rows(self, index: np.ndarray) -> None:
-        """Row r continues old row index[r] (beam search): the cache rows move in place."""
-        if self.io_binding or self.shared:
-            self.cache.reorder_rows(index, self.past_len)
-        else:
-            self._presents = [np.take(p, index, axis=0) for p in self._presents]
 
     @property
     def columns(self) -> Columns | None:
@@ -285,29 +237,6 @@ class OrtLM:
                 "(or --head all) for log-probs at several positions of a step."
             )
         return keep
-
-    def rewind(self, past_len: int) -> None:
-        """Forget every cached position from past_len on (a shared cache: the graph reads only the first
-        past_len slots and the next step overwrites the rest, so moving the length back is the whole rollback)."""
-        if not self.shared:
-            raise ValueError("rewind needs a shared cache; a concat cache keeps its positions (see compact)")
-        if not 0 <= past_len <= self.past_len:
-            raise ValueError(f"cannot rewind a cache of {self.past_len} positions to {past_len}")
-        self.past_len = past_len
-
-    def compact(self, slots: np.ndarray) -> None:
-        """Keep only the cached positions `slots` (increasing), moved to the front: one copy of what is kept.
-
-        A concat cache is (B, nh, T, hs) per tensor, and its first T' positions are not a (B, nh, T', hs)
-        tensor when nh > 1, so dropping positions (rejected draft tokens, masked out until then) needs this copy."""
-        slots = np.asarray(slots, dtype=np.int64)
-        if self.shared:
-            raise ValueError("compact is for concat caches; a shared cache rewinds")
-        if self.io_binding:
-            self.cache.compact(self.past_len, slots)
-        else:
-            self._presents = [np.ascontiguousarray(p[:, :, slots]) for p in self._presents]
-        self.past_len = len(slots)
 
     def _forward_rows(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """The shared graph's GroupQueryAttention refuses batch > 1 with seq > 1 on a past, so such a step runs

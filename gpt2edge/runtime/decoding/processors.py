@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from gpt2edge.runtime.columns import Columns
-from gpt2edge.runtime.sampling_params import SamplingParams
+from gpt2edge.runtime.decoding.sampling_params import SamplingParams
+from gpt2edge.runtime.model.columns import Columns
 
 NEG_INF = np.float32(-np.inf)
 

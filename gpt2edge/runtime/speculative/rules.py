@@ -1,7 +1,7 @@
 """Speculative decoding's decisions: which token plain decoding would pick (greedy) or from which distribution
 it would draw (sampling), and the accept/reject rule that keeps the output exactly the target's.
 
-Every distribution here is the PROCESSED one, built by gpt2edge.runtime.sampling's own functions in the order
+Every distribution here is the PROCESSED one, built by gpt2edge.runtime.decoding.sampling's own functions in the order
 next_tokens applies them (repetition penalty, min_new_tokens, temperature, top-k, top-p), so a step's p is
 exactly what plain sampling would draw from after the same tokens.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.sampling import SamplingParams, apply_processors, next_tokens, sample_index, warp_row
+from gpt2edge.runtime.decoding.sampling import SamplingParams, apply_processors, next_tokens, sample_index, warp_row
 
 # SamplingParams fields whose effect on the next-token distribution this module reproduces (or that do not
 # shape it); a field added later with a non-default value is refused rather than silently ignored

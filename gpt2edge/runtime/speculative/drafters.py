@@ -15,11 +15,11 @@ from numpy.lib.stride_tricks import sliding_window_view
 from tokenizers import Tokenizer
 
 from gpt2edge.errors import GenerationError, ModelFolderError
-from gpt2edge.runtime.lm import OrtLM
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.sampling import SamplingParams
-from gpt2edge.runtime.spec_cache import CachedSequence
-from gpt2edge.runtime.spec_rules import Dist, greedy_token, target_dist
+from gpt2edge.runtime.decoding.sampling import SamplingParams
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.speculative.cache import CachedSequence
+from gpt2edge.runtime.speculative.rules import Dist, greedy_token, target_dist
 
 
 @dataclass

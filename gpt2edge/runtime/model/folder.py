@@ -13,7 +13,7 @@ import numpy as np
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import check_present, load_manifest, resolve_inside, verify_files
 from gpt2edge.manifest_records import ATTENTION_OPS, GENERATION_CONFIG, GraphInfo, Manifest, ModelDims
-from gpt2edge.runtime.sampling_params import SamplingParams
+from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 

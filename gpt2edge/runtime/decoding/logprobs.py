@@ -15,8 +15,8 @@ import numpy as np
 from tokenizers import Tokenizer, decoders
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.columns import Columns
-from gpt2edge.runtime.tokenizer import TextTokenizer
+from gpt2edge.runtime.model.columns import Columns
+from gpt2edge.runtime.model.tokenizer import TextTokenizer
 
 
 @dataclass

@@ -8,7 +8,7 @@ Rollback of rejected draft tokens moves no cache memory in the common case:
                 mask zeroes it (position ids are explicit inputs, so the live tokens keep their positions).
                 Such dead slots cost capacity and a little attention and Concat traffic per step, so the cache
                 reserves room for them, and when that room runs out one copy moves the live slots to the front
-                (OrtLM.compact). See README "Speculative decoding" for the measured cost of both.
+                (OrtLM.compact). See docs/speculative.md for the measured cost of both.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpt2edge.runtime.lm import OrtLM
+from gpt2edge.runtime.model.lm import OrtLM
 
 
 class CachedSequence:

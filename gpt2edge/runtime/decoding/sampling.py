@@ -26,8 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.columns import Columns
-from gpt2edge.runtime.processors import (
+from gpt2edge.runtime.decoding.processors import (
     NEG_INF,
     apply_bad_words,
     apply_min_new_tokens,
@@ -37,7 +36,8 @@ from gpt2edge.runtime.processors import (
     banned_bad_word_tokens,
     banned_ngram_tokens,
 )
-from gpt2edge.runtime.sampling_params import SamplingParams
+from gpt2edge.runtime.decoding.sampling_params import SamplingParams
+from gpt2edge.runtime.model.columns import Columns
 
 __all__ = [
     "SamplingParams", "apply_bad_words", "apply_min_new_tokens", "apply_no_repeat_ngram", "apply_processors",

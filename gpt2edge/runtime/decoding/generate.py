@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.columns import forward_columns, lm_columns
-from gpt2edge.runtime.lm import OrtLM
-from gpt2edge.runtime.logprobs import LogprobRecorder, TokenLogprob
-from gpt2edge.runtime.sampling import SamplingParams, next_tokens
-from gpt2edge.runtime.tokenizer import TextStream, TextTokenizer
+from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, TokenLogprob
+from gpt2edge.runtime.decoding.sampling import SamplingParams, next_tokens
+from gpt2edge.runtime.model.columns import forward_columns, lm_columns
+from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 
 
 @dataclass

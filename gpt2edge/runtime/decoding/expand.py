@@ -10,9 +10,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.generate import GenerationState, Step, decode_n_tokens, left_pad, length_error, prefill
-from gpt2edge.runtime.lm import OrtLM
-from gpt2edge.runtime.tokenizer import TextStream, TextTokenizer
+from gpt2edge.runtime.decoding.generate import GenerationState, Step, decode_n_tokens, left_pad, length_error, prefill
+from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 
 
 def check_fits(prompts: Sequence[Sequence[int]], max_new_tokens: int, n_positions: int) -> int:

@@ -18,8 +18,8 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import resolve_inside
-from gpt2edge.runtime.model_folder import ModelFolder
-from gpt2edge.runtime.session import create_session
+from gpt2edge.runtime.model.folder import ModelFolder
+from gpt2edge.runtime.model.ort_session import create_session
 
 _FIRST_PAST = 4  # input_ids, attention_mask, position_ids, cache_position, then the cache
 

@@ -1,0 +1,60 @@
+"""How a Generator call's sampling arguments are merged with generation_config.json: the keys that map onto
+SamplingParams, the knobs that turn sampling on, and stop / banned strings as checked tuples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.model.tokenizer import check_unicode
+
+# generation_config.json keys that map one-to-one onto SamplingParams
+CONFIG_KEYS = (
+    "max_new_tokens",
+    "min_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+)
+# knobs that act only when sampling: giving one turns sampling on unless do_sample is given
+SAMPLING_KNOBS = ("temperature", "top_k", "top_p", "min_p", "typical_p")
+
+
+def as_tuple(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
+def stop_strings(stop: str | Sequence[str] | None, what: str = "Stop strings") -> tuple[str, ...]:
+    """A plain string is one stop string (not one per character); a list gives several."""
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    bad = [s for s in stops if not isinstance(s, str) or not s]
+    if bad:
+        raise GenerationError(f"{what} must be non-empty strings, got {bad[0]!r}.")
+    return tuple(check_unicode(s, f"{what[:-1]} {s!r}") for s in stops)
+
+
+def merged_values(
+    defaults: dict[str, Any], overrides: dict[str, Any], banned: list[tuple[int, ...]]
+) -> dict[str, Any]:
+    """SamplingParams' knobs: generation_config.json's `defaults`, then the call's non-None `overrides` (an
+    unknown name raises), then the `banned` id sequences joined to any bad_words_ids."""
+    unknown = set(overrides) - set(CONFIG_KEYS)
+    if unknown:
+        raise GenerationError(f"Unknown generation parameter(s): {', '.join(sorted(unknown))}.")
+    values: dict[str, Any] = {k: defaults[k] for k in CONFIG_KEYS if defaults.get(k) is not None}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if "do_sample" not in given and any(k in given for k in SAMPLING_KNOBS):
+        given["do_sample"] = True
+    values.update(given)
+    if banned:
+        values["bad_words_ids"] = tuple(dict.fromkeys([*map(tuple, values.get("bad_words_ids") or ()), *banned]))
+    return values
