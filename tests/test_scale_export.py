@@ -188,3 +188,24 @@ def test_ort_format_of_a_graph_over_2gb_is_refused(tiny_export, tmp_path, monkey
     res = CliRunner().invoke(main, ["convert", str(tiny_export), "-o", str(out), "--format", "ort"])
     assert res.exit_code == 1 and not out.exists()
     assert "Quantize it first" in res.output and "2 GB" in res.output, res.output
+
+
+def test_self_contained_graph_is_scanned_not_loaded(tiny_export, tmp_path, monkeypatch):
+    """A one-file parent is read field by field: its weights stay in the file until each is quantized, and the
+    variant equals the one made from a fully loaded graph."""
+    from onnx import numpy_helper
+
+    from gpt2edge import onnx_stream
+
+    path = tiny_export / "model.onnx"
+    monkeypatch.setattr(onnx_stream, "SCAN_ABOVE", 0)
+    scanned = onnx_stream.load_graph(path)
+    loaded = onnx.load(str(path))
+    assert scanned.graph.node == loaded.graph.node and scanned.opset_import == loaded.opset_import
+    assert [i.name for i in scanned.graph.initializer] == [i.name for i in loaded.graph.initializer]
+    for a, b in zip(scanned.graph.initializer, loaded.graph.initializer):
+        assert np.array_equal(onnx_stream.tensor_array(a, tiny_export), numpy_helper.to_array(b)), a.name
+    quantize_model(tiny_export, tmp_path / "scan", make_recipe("int4"), report=False, log=None)
+    monkeypatch.setattr(onnx_stream, "SCAN_ABOVE", 1 << 62)
+    quantize_model(tiny_export, tmp_path / "load", make_recipe("int4"), report=False, log=None)
+    assert (tmp_path / "scan" / "model.onnx").read_bytes() == (tmp_path / "load" / "model.onnx").read_bytes()
