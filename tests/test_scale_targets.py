@@ -66,7 +66,7 @@ def test_folder_for_any_target_runs_here_within_thresholds(tiny_export, tmp_path
 def test_unknown_target_in_a_manifest_is_refused(tiny_export, tmp_path):
     import json
 
-    from gpt2edge.runtime.model_folder import ModelFolder
+    from gpt2edge.runtime import ModelFolder
 
     out = tmp_path / "q"
     quantize_model(tiny_export, out, make_recipe("int4", target="generic"), report=False, log=None)
