@@ -90,7 +90,7 @@ def check_need(need: Need, out: Path) -> None:
     if disk is not None and need.disk > disk:
         raise ResourceError(
             f"{need.what} writes about {need.disk / GB:.1f} GB but {disk / GB:.1f} GB is free on the disk of "
-            f"{out}; free space or choose another output folder."
+            f"{out} (it would run the disk full); free space or choose another output folder."
         )
 
 

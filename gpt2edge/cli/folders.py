@@ -15,7 +15,7 @@ from gpt2edge.manifest_records import HEAD_MODES, KV_CACHE_MODES
 from gpt2edge.prompt_input import read_text_file
 from gpt2edge.quantize.handler import ACCURACY_LEVELS, HEAD_BITS, MODES
 from gpt2edge.quantize.primitives import BLOCK_SIZES
-from gpt2edge.quantize.targets import TARGETS
+from gpt2edge.quantize.targets import TARGET_CHOICES
 
 
 @main.command()
@@ -146,7 +146,7 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
 )
 @click.option(
     "--target",
-    type=click.Choice(("native", *TARGETS)),
+    type=click.Choice(TARGET_CHOICES),
     default="native",
     show_default=True,
     help="CPU whose recipe sets the defaults above; native: this machine's, found by running each instruction "

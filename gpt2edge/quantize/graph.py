@@ -46,7 +46,7 @@ def write_variant(model: onnx.ModelProto, parent: Manifest, src: Path, tmp: Path
     graph_dir = PurePosixPath(parent.graph.file).parent  # "." unless the parent keeps its graph in a subfolder
     (tmp / graph_dir).mkdir(parents=True, exist_ok=True)
     base = resolve_inside(src, parent.graph.file).parent  # where the parent's external data is read from
-    files = [(graph_dir / f).as_posix() for f in save_model(model, tmp / parent.graph.file, base)]
+    files = [(graph_dir / f).as_posix() for f in save_model(model, tmp / parent.graph.file, base_dir=base)]
     for name in parent.files:
         if name not in parent.graph.files:
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,8 @@ from gpt2edge.errors import QuantizeError
 from gpt2edge.manifest_fields import QUANTIZE_TARGETS
 
 TARGETS = QUANTIZE_TARGETS
+# what `quantize --target` accepts: a target, or native (this machine's, probed)
+TARGET_CHOICES = ("native", *TARGETS)
 
 # x86-64 code run by the probe: each ends in `ret`; the AMX one gets its tile config's address in rdi
 _CODE = {
