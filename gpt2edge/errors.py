@@ -65,5 +65,10 @@ class ServeError(Gpt2EdgeError):
     """A server option is out of range, or the `serve` / `cluster` extra is not installed."""
 
 
+class SparseHeadError(Gpt2EdgeError):
+    """A sparse-head request that cannot be honoured (`gpt2edge sparse-head`): a folder kind or option it does
+    not support, or a bound table that does not match its folder."""
+
+
 class ResourceError(Gpt2EdgeError):
     """The machine has less memory or disk than a request is estimated to need (checked before any work)."""

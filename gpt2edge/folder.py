@@ -8,108 +8,80 @@ The rules every command that writes a folder (export, quantize, random-checkpoin
   fails if OUT appeared meanwhile; with --force what is there is checked again right before it is replaced.
 - Every file and folder written gets the mode a plain open() / mkdir() would give under the umask.
 - Temporary folders carry their owner's pid; ones whose process is gone (SIGKILL, power loss) are removed
-  by the next write into the same parent (gpt2edge.folder_temp).
+  by the next write into the same parent (gpt2edge.folder_temp), except a replaced OUT moved aside, which is
+  put back (gpt2edge.folder_swap).
+- Replacing OUT is signal-safe: the renames run with the stopping signals held back (gpt2edge.folder_swap).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import shutil
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from gpt2edge.errors import Gpt2EdgeError, OutputExistsError, OutputFolderError
 from gpt2edge.folder_checks import DISK_FULL, check_output_dir, disk_full, is_export_folder, replaceable, write_error
+from gpt2edge.folder_swap import discard_name, rename_noreplace, signals_deferred
 from gpt2edge.folder_temp import clean_stale, make_temp
 from gpt2edge.manifest import current_umask
-
-# --- the final rename -------------------------------------------------------------------------------------
-
-
-def _renameat2() -> Callable | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None  # glibc < 2.28, musl without it
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def rename_noreplace(src: Path, dst: Path) -> None:
-    """Rename folder src to dst, raising FileExistsError if dst exists (os.rename would replace an empty one)."""
-    fn = _renameat2()
-    if fn is not None:
-        AT_FDCWD, RENAME_NOREPLACE = -100, 1
-        if fn(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_NOREPLACE) == 0:
-            return
-        code = ctypes.get_errno()
-        if code in (errno.EEXIST, errno.ENOTEMPTY):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
-        if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise OSError(code, os.strerror(code), str(src), None, str(dst))
-    if os.name == "nt":
-        os.rename(src, dst)  # Windows never replaces
-        return
-    # no renameat2 (or a file system without it): claim the name with mkdir, which fails if anything is there,
-    # then rename onto that empty folder of ours
-    os.mkdir(dst)
-    try:
-        os.rename(src, dst)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.rmdir(dst)
-        if isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst)) from e
-        raise
 
 
 def _restore(old: Path, out: Path) -> Path:
     """Put a folder moved aside back at `out`, or beside it when something took its place; returns where."""
     for dest in (out, out.with_name(f"{out.name}.replaced-{os.getpid()}")):
         try:
-            rename_noreplace(old / "x", dest)
+            rename_noreplace(old / out.name, dest)
         except OSError:
             continue
         old.rmdir()
         return dest
-    return old / "x"
+    return old / out.name
 
 
 def _install(tmp: Path, out: Path, shown: Path, force: bool, kind: Callable[[Path], bool]) -> None:
-    """Move the finished folder to `out`, replacing only what --force authorises now."""
+    """Move the finished folder to `out`, replacing only what --force authorises now.
+
+    The renames run with SIGINT/SIGTERM/SIGHUP/SIGQUIT held back (gpt2edge.folder_swap): a signal can no longer
+    land between moving OUT aside and moving the new folder in, and it acts once the swap is complete."""
     appeared = (
         f"Output folder {shown} appeared while gpt2edge was writing; it was left untouched and nothing was written"
     )
-    old = None
-    if force and (out.exists() or out.is_symlink()):
-        if not replaceable(out, kind):
-            raise OutputExistsError(appeared + " (it is not a gpt2edge folder, which --force may replace).")
-        old = make_temp(out.parent, out.name, "old")
-        try:
-            os.rename(out, old / "x")  # moved aside into a marked folder: a crash from here on leaves it cleanable
-        except FileNotFoundError:  # removed meanwhile: nothing to replace
-            old.rmdir()
-            old = None
-        if old is not None and not replaceable(old / "x", kind):  # changed since the check: put it back
-            where = _restore(old, out)
-            raise OutputExistsError(appeared + ("." if where == out else f"; it is now at {where}."))
+    old = gone = None
     try:
-        rename_noreplace(tmp, out)
-    except OSError as e:
-        where = _restore(old, out) if old is not None else None
-        if not isinstance(e, FileExistsError):
-            raise
-        hint = f" The folder it was to replace is at {where}." if where else " Pass --force to replace it."
-        raise OutputExistsError(appeared + "." + hint) from None
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        with signals_deferred():
+            if force and (out.exists() or out.is_symlink()):
+                if not replaceable(out, kind):
+                    raise OutputExistsError(appeared + " (it is not a gpt2edge folder, which --force may replace).")
+                old = make_temp(out.parent, out.name, "old")
+                try:
+                    # moved aside under its own name into a marked folder: a SIGKILL from here on leaves it restorable
+                    os.rename(out, old / out.name)
+                except FileNotFoundError:  # removed meanwhile: nothing to replace
+                    old.rmdir()
+                    old = None
+                if old is not None and not replaceable(old / out.name, kind):  # changed since the check: put it back
+                    where = _restore(old, out)
+                    raise OutputExistsError(appeared + ("." if where == out else f"; it is now at {where}."))
+            try:
+                rename_noreplace(tmp, out)
+            except OSError as e:
+                where = _restore(old, out) if old is not None else None
+                if not isinstance(e, FileExistsError):
+                    raise
+                hint = f" The folder it was to replace is at {where}." if where else " Pass --force to replace it."
+                raise OutputExistsError(appeared + "." + hint) from None
+            if old is not None:
+                # replaced for good: from now on a stale copy is deleted, not restored (if this rename fails, the
+                # .old- folder stays: left alone, as OUT exists)
+                with contextlib.suppress(OSError):
+                    os.rename(old, discard_name(old))
+                    gone = discard_name(old)
+    finally:  # also when a signal held back over the swap raises KeyboardInterrupt as it ends
+        if gone is not None:
+            shutil.rmtree(gone, ignore_errors=True)
 
 
 def usual_modes(folder: Path) -> None:

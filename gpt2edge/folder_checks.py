@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from gpt2edge.errors import OutputExistsError, OutputFolderError
-from gpt2edge.folder_temp import make_temp
+from gpt2edge.folder_temp import make_temp, restore_stale
 from gpt2edge.manifest_records import FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -72,6 +72,28 @@ def check_sources(out: Path, sources: Iterable[str | Path | None]) -> None:
             )
 
 
+def check_inputs(out: Path, inputs: Iterable[tuple[str, str | Path | None]]) -> None:
+    """Refuse an input file or folder (named `what` in the message) that is OUT or lies inside it: writing OUT
+    (with --force: replacing it) would delete the input. Symlinks resolved; a path that does not exist yet is
+    compared as written (it may be created before OUT is replaced)."""
+    real = _resolve(out, "output")
+    for what, src in inputs:
+        if src is None:
+            continue
+        s = _resolve(Path(src), "input")
+        if s == real:
+            kind = "folder" if s.is_dir() else "file"
+            raise OutputFolderError(
+                f"The output {kind} is the input {kind} ({what}); writing the output would delete it, even with "
+                "--force. Write the output elsewhere."
+            )
+        if real in s.parents:
+            raise OutputFolderError(
+                f"The input {what} lies inside the output folder {out}; replacing the folder would delete it, even "
+                "with --force. Move it out of the folder or choose another output path."
+            )
+
+
 def check_output_dir(
     out: Path,
     force: bool,
@@ -81,6 +103,7 @@ def check_output_dir(
     """Refuse a bad OUT before any work starts, so a long export is never lost to it; returns OUT resolved."""
     out = Path(out)
     real = _resolve(out, "output")
+    restore_stale(real.parent)  # an OUT a killed swap left aside is put back first, so the checks below see it
     try:
         cwd = Path.cwd().resolve()
     except OSError:  # the current folder was deleted: nothing to protect

@@ -1,7 +1,10 @@
-"""Temporary sibling folders: where a folder is built (.NAME.tmp-...) or an old one is moved aside (.NAME.old-...).
+"""Temporary sibling folders: where a folder is built (.NAME.tmp-...), an old one is moved aside (.NAME.old-...)
+and marked for deletion once replaced (.NAME.del-...).
 
-Each name carries its owner (host, pid, process start time), so that the next write into the same parent removes
-the ones whose process is gone (SIGKILL, power loss) and never one still being written.
+Each name carries its owner (host, pid, process start time), so that the next write into the same parent deals
+with the ones whose process is gone (SIGKILL, power loss) and never with one still being written: a .tmp- or
+.del- folder is removed; an .old- folder holds the user's OUT, so it is put back when OUT is missing and
+otherwise left alone, never deleted (gpt2edge.folder_swap).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 # .NAME.tmp-HOST-PID-START-RANDOM: HOST tells folders of other machines (or containers) apart, START (the
 # process start time) tells a reused pid apart
-_TEMP_RE = re.compile(r"^\..*\.(?:tmp|old)-([0-9a-f]{8})-(\d+)-(\d+)-[0-9a-f]+$")
+_TEMP_RE = re.compile(r"^\..*\.(tmp|old|del)-([0-9a-f]{8})-(\d+)-(\d+)-[0-9a-f]+$")
 
 
 def _host_tag() -> str:
@@ -55,13 +58,31 @@ def _owner_alive(host: str, pid: int, token: str) -> bool:
     return token == "0" or now == "0" or now == token  # a different start time: the pid was reused
 
 
-def clean_stale(parent: Path) -> list[Path]:
-    """Remove the temp folders in `parent` whose process is gone (killed mid-write); returns what was removed."""
-    removed = []
+def _stale(parent: Path, kinds: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """(kind, path) of the temp folders in `parent` of those kinds whose process is gone."""
+    found = []
     with contextlib.suppress(OSError), os.scandir(parent) as entries:
         for entry in entries:
             m = _TEMP_RE.match(entry.name)
-            if m and entry.is_dir(follow_symlinks=False) and not _owner_alive(m[1], int(m[2]), m[3]):
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(Path(entry.path))
+            if m and m[1] in kinds and entry.is_dir(follow_symlinks=False) and not _owner_alive(m[2], int(m[3]), m[4]):
+                found.append((m[1], Path(entry.path)))
+    return found
+
+
+def restore_stale(parent: Path) -> list[Path]:
+    """Put back each folder a killed writer had moved aside (.NAME.old-...) whose NAME is missing; returns where
+    each went. One whose NAME exists again is left as it is: it is the user's, never deleted blindly."""
+    from gpt2edge.folder_swap import restore_one
+
+    return [dest for _, old in _stale(parent, ("old",)) if (dest := restore_one(old)) is not None]
+
+
+def clean_stale(parent: Path) -> list[Path]:
+    """Remove the .tmp- and .del- folders in `parent` whose process is gone (killed mid-write), after putting
+    back what a killed swap left aside (`restore_stale`); returns what was removed."""
+    restore_stale(parent)
+    removed = []
+    for _, path in _stale(parent, ("tmp", "del")):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     return removed

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt2edge.errors import ChecksumError, ModelFolderError
+from gpt2edge.external_data import check_external_data
 from gpt2edge.manifest_fields import shown_path
 from gpt2edge.manifest_records import (
     FORMAT,
@@ -192,3 +193,4 @@ def verify_files(folder: Path, manifest: dict[str, Any] | Manifest) -> None:
             raise ChecksumError(
                 f"{folder / rel} does not match its manifest checksum (modified or corrupted); re-export the model."
             )
+    check_external_data(folder, manifest)  # and the graph loads no file but those

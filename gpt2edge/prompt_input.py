@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gpt2edge.errors import GenerationError
+from gpt2edge.input_limits import MAX_PROMPT_BYTES, MAX_REPORT_TEXT_BYTES, read_limited, read_prefix_text
 
 STDIN = "-"
 FORMATS = ("auto", "lines", "jsonl")
@@ -44,11 +45,14 @@ def decode_utf8(data: bytes, where: str) -> str:
 
 def read_text_file(path: str | Path, what: str = "--text") -> str:
     """A text option's file (quantize/parity/trim-vocab --text) as UTF-8 text, or one line saying why not."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise GenerationError(f"Cannot read the {what} file {path} ({e.strerror or e}).") from None
+    data, _ = read_prefix_text(path, MAX_REPORT_TEXT_BYTES, what)  # a huge or endless file: its start
     return decode_utf8(data, f"The {what} file {path}")
+
+
+def read_prompt_file(source) -> bytes:
+    """A prompt file (a path, or stdin's binary stream), refused beyond MAX_PROMPT_BYTES: reading stops there."""
+    what = "stdin" if not isinstance(source, (str, Path)) else f"The prompt file {source}"
+    return read_limited(source, MAX_PROMPT_BYTES, what, "give fewer or shorter prompts (split the file).")
 
 
 def _json_prompt(line: str) -> str | None:
@@ -104,7 +108,7 @@ def collect_prompts(
         if str(f) == STDIN:
             prompts += parse_prompts(decode_utf8(read_stdin(), "stdin"), fmt, "stdin")
         else:
-            prompts += parse_prompts(decode_utf8(Path(f).read_bytes(), str(f)), fmt, str(f))
+            prompts += parse_prompts(decode_utf8(read_prompt_file(f), str(f)), fmt, str(f))
     if not prompts:
         raise GenerationError("No prompt given: pass -p TEXT (repeatable), -p - (stdin) or -f FILE.")
     return prompts

@@ -27,6 +27,7 @@ FREE_TEXT = {
     ("bench", "source"),
     ("serve", "host"),
     ("serve", "model_name"),
+    ("serve", "api_key"),  # any printable text is a key (ServeConfig checks it)
     ("serve", "ray_address"),
 }
 
@@ -80,6 +81,7 @@ def library_choices() -> dict[tuple[str, str], tuple]:
     from gpt2edge.runtime.decoding.beam import EARLY_STOPPING_NAMES
     from gpt2edge.runtime.model.ort_session import PROVIDERS
     from gpt2edge.runtime.score import METHODS
+    from gpt2edge.serve.config import SCHEDULERS
 
     devices = {(c, "device"): tuple(PROVIDERS) for c in ("generate", "bench", "score", "serve")}
     return {
@@ -95,6 +97,7 @@ def library_choices() -> dict[tuple[str, str], tuple]:
         ("generate", "file_format"): PROMPT_FORMATS,
         ("generate", "early_stopping"): EARLY_STOPPING_NAMES,
         ("score", "method"): METHODS,
+        ("serve", "scheduler"): SCHEDULERS,
         **devices,
     }
 

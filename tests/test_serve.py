@@ -33,6 +33,7 @@ from gpt2edge.runtime.model.tokenizer import TextTokenizer  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.app import create_app  # noqa: E402
 from gpt2edge.serve.batch import advance, take_batch  # noqa: E402
+from gpt2edge.serve.continuous import ContinuousScheduler  # noqa: E402
 from gpt2edge.serve.jobs import Job, Piece, Sampling  # noqa: E402
 from gpt2edge.serve.rowtext import RowText  # noqa: E402
 from gpt2edge.serve.scheduler import Scheduler  # noqa: E402
@@ -65,13 +66,28 @@ class SlowGenerator(Generator):
         return super().generate(prompt, callback=slow, **kw)
 
 
+class SlowContinuous(ContinuousScheduler):
+    """A continuous scheduler whose decode steps take at least `delay` seconds."""
+
+    delay = 0.0
+
+    def _run_next(self) -> bool:
+        time.sleep(self.delay)
+        return super()._run_next()
+
+
 @contextmanager
 def running(model_dir: Path, delay: float = 0.0, **limits):
-    """A real uvicorn server on a thread; yields (url, scheduler); stopped on exit."""
+    """A real uvicorn server on a thread (continuous batching unless scheduler="next-batch"); yields
+    (url, scheduler); stopped on exit."""
     config = ServeConfig(model_name="tiny", **limits)
-    gen = SlowGenerator(model_dir)
-    gen.delay = delay
-    scheduler = Scheduler(gen, config)
+    if config.scheduler == "continuous":
+        scheduler = SlowContinuous(Generator(model_dir), config)
+        scheduler.delay = delay
+    else:
+        gen = SlowGenerator(model_dir)
+        gen.delay = delay
+        scheduler = Scheduler(gen, config)
     with BackgroundServer(create_app(lambda: scheduler, config)) as url:
         yield url, scheduler
 
@@ -537,7 +553,19 @@ BAD = {
     "empty stop string": ({"prompt": "a", "stop": [""]}, 400, "stop"),
     "temperature out of range": ({"prompt": "a", "temperature": 3}, 400, "temperature"),
     "negative seed": ({"prompt": "a", "seed": -1}, 400, "seed"),
-    "presence_penalty": ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    "presence_penalty out of range": ({"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    "duplicate key": (b'{"prompt": "a", "prompt": ["b", "c"]}', 400, "prompt"),
+    "duplicate nested key": (b'{"prompt": "a", "stream": true, "stream_options": {"include_usage": true, '
+                             b'"include_usage": false}}', 400, "include_usage"),
+    "unknown stream_options field": ({"prompt": "a", "stream": True, "stream_options": {"x": 1}}, 400,
+                                     "stream_options.x"),
+    "logit_bias key not an id": ({"prompt": "a", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    "logit_bias id past the vocabulary": ({"prompt": "a", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    "logit_bias value out of range": ({"prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    "stop_token_ids past the vocabulary": ({"prompt": "a", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    "min_tokens over max_tokens": ({"prompt": "a", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens"),
+    "top_k below -1": ({"prompt": "a", "top_k": -2}, 400, "top_k"),
+    "repetition_penalty 0": ({"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
     "stream_options without stream": ({"prompt": "a", "stream_options": {}}, 400, "stream_options"),
     "unknown model": ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
     "body over the limit": (json.dumps({"prompt": "a" * (1 << 20)}).encode(), 413, None),

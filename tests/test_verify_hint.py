@@ -17,7 +17,7 @@ from gpt2edge.runtime import Generator
 from gpt2edge.runtime.model.folder import ModelFolder
 
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
-COMMANDS = ["generate", "bench", "parity", "score", "quantize", "convert", "trim-vocab", "serve"]
+COMMANDS = ["generate", "bench", "parity", "score", "quantize", "convert", "trim-vocab", "sparse-head", "serve"]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,7 @@ def runs(good, bad, tmp):
         "quantize": [["quantize", bad, "-o", tmp / "q", "--mode", "int8", "--no-report"]],
         "convert": [["convert", bad, "-o", tmp / "c", "--format", "ort"]],
         "trim-vocab": [["trim-vocab", bad, "-o", tmp / "t", "--keep-ids", ids, "--no-report"]],
+        "sparse-head": [["sparse-head", bad, "-o", tmp / "s"]],
         "serve": [["serve", bad, "--port", "0"]],
     }
 

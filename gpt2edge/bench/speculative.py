@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from gpt2edge.bench.workload import SAMPLING, BenchConfig, bench_prompts
 from gpt2edge.errors import GenerationError
+from gpt2edge.prompt_input import read_text_file
 from gpt2edge.runtime.decoding.generate import GenerationState, generate
 from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.generator import Generator
@@ -42,7 +43,7 @@ def text_prompts(gen: Generator, texts: tuple[Path, ...], length: int) -> list[l
     """The first `length` tokens of each text file."""
     prompts = []
     for path in texts:
-        ids = gen.tokenizer.encode(Path(path).read_text(encoding="utf-8"))
+        ids = gen.tokenizer.encode(read_text_file(path))  # its first MB: a huge or endless file is not read whole
         if len(ids) < length:
             raise GenerationError(f"{path} has {len(ids)} tokens, fewer than --prompt-len {length}.")
         prompts.append(ids[:length])

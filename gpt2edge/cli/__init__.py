@@ -4,7 +4,7 @@ One module per group of commands (folders, generate, measure, serve) on the grou
 imported inside each command so `gpt2edge generate` never imports torch.
 """
 
-from gpt2edge.cli import folders, generate, measure, serve  # noqa: F401  (they register their commands)
+from gpt2edge.cli import folders, generate, measure, serve, sparse  # noqa: F401  (they register their commands)
 from gpt2edge.cli.common import main
 
 __all__ = ["main"]

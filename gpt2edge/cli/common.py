@@ -12,6 +12,7 @@ import warnings
 import click
 
 from gpt2edge import __version__
+from gpt2edge.cli.paths import check_command_paths
 from gpt2edge.errors import ChecksumError, Gpt2EdgeError
 from gpt2edge.runtime.model.ort_session import MAX_THREADS, PROVIDERS
 
@@ -22,6 +23,7 @@ def friendly_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            check_command_paths(click.get_current_context(silent=True))  # an input inside OUT: refused first
             return fn(*args, **kwargs)
         except Gpt2EdgeError as e:
             click.echo(f"error: {e}{_skip_hint(e)}", err=True)

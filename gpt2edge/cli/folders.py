@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from gpt2edge.cli.common import SEEDS, finite_range, friendly_errors, main, print_json, report_stream
+from gpt2edge.cli.paths import OutputPath
 from gpt2edge.convert import FORMATS
 from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, SUPPORTED_OPSETS
 from gpt2edge.export.random_checkpoint import SIZES
@@ -19,8 +20,15 @@ from gpt2edge.quantize.targets import TARGET_CHOICES
 
 
 @main.command()
-@click.option("-m", "--model", "source", required=True, help="Local HF checkpoint folder (checked first) or hub id.")
-@click.argument("out", type=click.Path(path_type=Path))
+@click.option(
+    "-m",
+    "--model",
+    "source",
+    type=click.Path(),
+    required=True,
+    help="Local HF checkpoint folder (checked first) or hub id.",
+)
+@click.argument("out", type=OutputPath())
 @click.option(
     "--head",
     type=click.Choice(HEAD_MODES),
@@ -53,7 +61,9 @@ from gpt2edge.quantize.targets import TARGET_CHOICES
 )
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
-@click.option("--tokenizer", default=None, help="Take the tokenizer from this folder or hub id instead.")
+@click.option(
+    "--tokenizer", type=click.Path(), default=None, help="Take the tokenizer from this folder or hub id instead."
+)
 @click.option(
     "--static",
     metavar="BATCHxCHUNKxCAPACITY",
@@ -90,7 +100,7 @@ def export(source, out, head, kv_cache, opset, validate, atol, force, revision, 
 
 
 @main.command("random-checkpoint")
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=OutputPath())
 @click.option(
     "--size",
     type=click.Choice(tuple(SIZES)),
@@ -100,7 +110,10 @@ def export(source, out, head, kv_cache, opset, validate, atol, force, revision, 
 )
 @click.option("--seed", type=SEEDS, default=0, show_default=True)
 @click.option(
-    "--tokenizer", default=None, help="Folder with the tokenizer (vocab.json + merges.txt or tokenizer.json)."
+    "--tokenizer",
+    type=click.Path(),
+    default=None,
+    help="Folder with the tokenizer (vocab.json + merges.txt or tokenizer.json).",
 )
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @friendly_errors
@@ -114,7 +127,7 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
 
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True, help="New export folder.")
+@click.option("-o", "--output", "out", type=OutputPath(), required=True, help="New export folder.")
 @click.option("--mode", type=click.Choice(MODES), required=True, help="Precision of the new folder.")
 @click.option(
     "--block-size",
@@ -195,7 +208,7 @@ def quantize(
 
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True, help="New folder.")
+@click.option("-o", "--output", "out", type=OutputPath(), required=True, help="New folder.")
 @click.option(
     "--format",
     "fmt",
@@ -221,7 +234,7 @@ def convert(model_dir, out, fmt, force, as_json) -> None:
 
 @main.command("trim-vocab")
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True, help="New export folder.")
+@click.option("-o", "--output", "out", type=OutputPath(), required=True, help="New export folder.")
 @click.option(
     "--keep-from",
     "keep_from",

@@ -66,7 +66,7 @@ def generate(
     One prompt streams; several run as one left-padded batch (--sequential: one after another). Ctrl-C stops,
     prints what was generated, says [interrupted] on stderr and exits with status 130.
     """
-    from gpt2edge.prompt_input import collect_prompts
+    from gpt2edge.prompt_input import collect_prompts, read_prompt_file
     from gpt2edge.runtime import Generator
     from gpt2edge.runtime.decoding.beam import search_params
 
@@ -74,7 +74,7 @@ def generate(
     _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping)
     try:
         # prompts are read and checked before the model is loaded
-        read_stdin = lambda: sys.stdin.buffer.read()  # noqa: E731
+        read_stdin = lambda: read_prompt_file(sys.stdin.buffer)  # noqa: E731  (bounded: stdin may never end)
         # -i without -p starts from an empty context (its turns come from stdin)
         texts = [] if interactive and not prompts else collect_prompts(prompts, prompt_files, file_format, read_stdin)
         speculative = dict(draft=draft, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)

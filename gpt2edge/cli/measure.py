@@ -17,6 +17,7 @@ from gpt2edge.cli.common import (
     report_stream,
     warnings_to_stderr,
 )
+from gpt2edge.cli.paths import OutputPath
 from gpt2edge.extras import require_extra
 from gpt2edge.prompt_input import read_text_file
 from gpt2edge.runtime.score import METHODS
@@ -25,7 +26,14 @@ from gpt2edge.runtime.score import METHODS
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.argument("other_dir", type=click.Path(path_type=Path), required=False)
-@click.option("-m", "--model", "source", default=None, help="Compare MODEL_DIR with this PyTorch source instead.")
+@click.option(
+    "-m",
+    "--model",
+    "source",
+    type=click.Path(),
+    default=None,
+    help="Compare MODEL_DIR with this PyTorch source instead.",
+)
 @click.option(
     "--text",
     "text_file",
@@ -98,7 +106,7 @@ def parity(
 @click.option("--sweep", is_flag=True, help="Also measure decode ms/token at contexts 32 ... n_positions.")
 @click.option(
     "--plot",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputPath(dir_okay=False),
     default=None,
     help="With --sweep: write a PNG of ms/token against context (plot extra).",
 )
@@ -110,7 +118,14 @@ def parity(
     help="Also time beam search at this width (repeatable: --num-beams 1 --num-beams 4): ms/token, cache reorder.",
 )
 @click.option("--vs-torch", is_flag=True, help="Also run the PyTorch source on the same workload.")
-@click.option("-m", "--model", "source", default=None, help="PyTorch source for --vs-torch [default: manifest's].")
+@click.option(
+    "-m",
+    "--model",
+    "source",
+    type=click.Path(),
+    default=None,
+    help="PyTorch source for --vs-torch [default: manifest's].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON on stdout.")
 @click.option("--draft", type=click.Path(path_type=Path), default=None, help="Speculative vs plain, this draft.")
 @click.option(
@@ -234,6 +249,9 @@ def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
         click.echo(f"{name:<32} {value}")
 
 
+_SCORE_HINT = "score a part of it (e.g. head -c 10M FILE | gpt2edge score MODEL_DIR)."
+
+
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.argument("text_file", default="-", type=click.File("rb"))
@@ -254,13 +272,16 @@ def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
 def score(model_dir, text_file, max_length, stride, method, device, threads, no_verify, as_json) -> None:
     """Log-likelihood and perplexity of the text in TEXT_FILE (default: stdin) under MODEL_DIR."""
     from gpt2edge.errors import GenerationError
+    from gpt2edge.input_limits import MAX_SCORE_BYTES, read_limited
     from gpt2edge.runtime.model.folder import ModelFolder
     from gpt2edge.runtime.score import Scorer
 
     try:
-        text = text_file.read().decode("utf-8")
+        name = getattr(text_file, "name", "<stdin>")
+        what = "stdin" if name in ("<stdin>", "-") else str(name)
+        text = read_limited(text_file, MAX_SCORE_BYTES, what, _SCORE_HINT).decode("utf-8")
     except UnicodeDecodeError as e:
-        raise GenerationError(f"{text_file.name} is not UTF-8 text ({e.reason} at byte {e.start}).") from e
+        raise GenerationError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start}).") from e
     scorer = Scorer(ModelFolder.open(model_dir, verify=not no_verify), device=device, threads=threads)
     result = scorer.score(text, max_length=max_length, stride=stride, method=method)
     if as_json:

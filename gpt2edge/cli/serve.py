@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from gpt2edge.cli.common import DEVICES, THREADS, THREADS_HELP, finite_range, friendly_errors, main
+from gpt2edge.serve.config import SCHEDULERS
 
 
 def _host(ctx, param, value: str) -> str:
@@ -56,6 +57,31 @@ def _host(ctx, param, value: str) -> str:
     show_default=True,
     help="Longest wait for a new batch to fill (see docs/serve.md).",
 )
+@click.option(
+    "--scheduler",
+    type=click.Choice(SCHEDULERS),
+    default="continuous",
+    show_default=True,
+    help="continuous: requests join the running batch at the next step; next-batch: they wait for it to end.",
+)
+@click.option("--prefill-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Continuous: prompt tokens that join the batch per decode step (bounds the others' stall).")
+@click.option("--api-key", envvar="GPT2EDGE_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (401 otherwise; also $GPT2EDGE_API_KEY). Never logged.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Jinja chat template for /v1/chat/completions [default: the folder's own].")
+@click.option("--header-timeout", type=finite_range(0, 3600, min_open=True), default=10.0, show_default=True,
+              help="Seconds for a request's headers to arrive (then 408, closed).")
+@click.option("--body-timeout", type=finite_range(0, 3600, min_open=True), default=30.0, show_default=True,
+              help="Seconds for a request's body to arrive (then 408).")
+@click.option("--keep-alive", type=finite_range(0, 3600, min_open=True), default=5.0, show_default=True,
+              help="Seconds an idle keep-alive connection stays open.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Open connections; one more gets 503 and is closed.")
+@click.option("--max-header-kb", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Largest request head (request line + headers; 400 past it).")
+@click.option("--shutdown-timeout", type=finite_range(0, 3600), default=10.0, show_default=True,
+              help="On SIGTERM / Ctrl-C: seconds running requests get to finish before they are cancelled.")
 @click.option("--device", type=DEVICES, default="cpu", show_default=True)
 @click.option("--threads", type=THREADS, default=None, help=THREADS_HELP)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
@@ -85,6 +111,16 @@ def serve(
     max_n,
     max_body_kb,
     batch_wait_ms,
+    scheduler,
+    prefill_tokens,
+    api_key,
+    chat_template,
+    header_timeout,
+    body_timeout,
+    keep_alive,
+    max_connections,
+    max_header_kb,
+    shutdown_timeout,
     device,
     threads,
     no_verify,
@@ -93,14 +129,21 @@ def serve(
     replica_cpus,
     ray_address,
 ) -> None:
-    """Serve MODEL_DIR over HTTP: OpenAI-compatible /v1/completions (batched, SSE streaming), /v1/models, /health."""
+    """Serve MODEL_DIR over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions (continuous batching,
+    SSE streaming), /v1/models, /health, /metrics, /tokenize, /detokenize."""
     from gpt2edge.extras import require_extra
     from gpt2edge.serve import ServeConfig
 
     if not use_ray and (replicas is not None or ray_address is not None):
         raise click.UsageError("--replicas and --ray-address need --ray.")
     name = model_name or Path(model_dir).resolve().name
-    config = ServeConfig(name, max_batch, max_queue, max_n, max_body_kb * 1024, batch_wait_ms)
+    config = ServeConfig(
+        name, max_batch, max_queue, max_n, max_body_kb * 1024, batch_wait_ms, scheduler,
+        header_timeout_s=header_timeout, body_timeout_s=body_timeout, keep_alive_s=keep_alive,
+        max_connections=max_connections, max_header_bytes=max_header_kb * 1024, shutdown_timeout_s=shutdown_timeout,
+        api_key=api_key, prefill_tokens=prefill_tokens,
+        chat_template=None if chat_template is None else str(chat_template),
+    )  # fmt: skip
     ready = lambda url: click.echo(f"serving {name} on {url} (OpenAI API at {url}/v1; Ctrl-C stops)")
     if use_ray:
         if port == 0:
@@ -122,6 +165,10 @@ def serve(
         run_on_ray(app, host, port, address=ray_address, on_ready=ready)
         return
     require_extra("serve", "serve")
-    from gpt2edge.serve.server import local_app, serve_forever
+    from gpt2edge.runtime import ModelFolder
+    from gpt2edge.serve.server import bind_socket, loading_app, serve_forever
 
-    serve_forever(local_app(model_dir, config, device, threads, not no_verify), host, port, on_ready=ready)
+    ModelFolder.open(model_dir, verify=not no_verify)  # a bad folder: one error line before the port is taken
+    sock = bind_socket(host, port)  # a port in use: one error line before the model loads
+    # the model loads while the server answers (/health: "loading"); a failed load stops it with one error line
+    serve_forever(lambda on_error: loading_app(model_dir, config, device, threads, on_error), sock, on_ready=ready)

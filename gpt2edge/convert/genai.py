@@ -23,6 +23,35 @@ LOGITS = "logits"
 _AXES = "gpt2edge_logits_axes"
 
 
+def graph_head(model) -> str:
+    """The head the graph really has, read from its structure (never from the manifest): "tail" when it takes
+    a logits_to_keep input, else "last" for a (B, V) `logprobs` output and "all" for a (B, S, V) one."""
+    from gpt2edge.manifest_records import KEEP_INPUT
+
+    g = model.graph
+    if KEEP_INPUT in {i.name for i in g.input}:
+        return "tail"
+    out = next((o for o in g.output if o.name == LOGPROBS), None)
+    if out is None:
+        names = ", ".join(o.name for o in g.output)
+        raise ConvertError(f"The graph has no '{LOGPROBS}' output (outputs: {names}); re-export the model.")
+    rank = len(out.type.tensor_type.shape.dim)
+    if rank not in (2, 3):
+        raise ConvertError(f"The graph's '{LOGPROBS}' output has rank {rank}, not 2 or 3; re-export the model.")
+    return "last" if rank == 2 else "all"
+
+
+def check_graph_head(model, recorded: str, src: Path) -> None:
+    """Refuse a folder whose manifest records another head than its graph has: genai would be configured for
+    the wrong output rank and fail only when run."""
+    real = graph_head(model)
+    if real != recorded:
+        raise ConvertError(
+            f"{src}: the manifest records --head {recorded} but the graph is a --head {real} graph (its "
+            f"'{LOGPROBS}' output and inputs say so); the folder was edited or mixed up, export it again."
+        )
+
+
 def add_logits_output(model) -> dict[str, Any]:
     """Replace the (B, V) `logprobs` output of `model` (onnx.ModelProto, edited in place) by
     `logits` = Unsqueeze(logprobs, 1): (B, 1, V). Returns the new output's manifest entry."""

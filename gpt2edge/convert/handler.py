@@ -99,6 +99,7 @@ def _write_genai(folder: ModelFolder, tmp: Path) -> tuple[dict[str, Any], dict[s
         LOGPROBS,
         TOKENIZER_CONFIG,
         add_logits_output,
+        check_graph_head,
         genai_config,
         tokenizer_config,
     )
@@ -106,6 +107,7 @@ def _write_genai(folder: ModelFolder, tmp: Path) -> tuple[dict[str, Any], dict[s
 
     graph = folder.manifest["graph"]
     model = onnx.load(str(folder.graph_path))
+    check_graph_head(model, folder.head, folder.path)  # the graph's own head, not the manifest's word
     outputs = list(graph.get("outputs", []))
     logits = LOGPROBS  # a --head all graph's (B, S, V) output is bound as it is
     if folder.head == "last":

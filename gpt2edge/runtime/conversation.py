@@ -27,7 +27,7 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.decoding.beam import check_one_sequence
-from gpt2edge.runtime.decoding.generate import GenerationState, Step, decode_n_tokens
+from gpt2edge.runtime.decoding.generate import GenerationState, Step, configure_head, decode_n_tokens
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 from gpt2edge.runtime.model.columns import forward_columns
@@ -206,7 +206,7 @@ class Conversation:
             self._fit(state.params.max_new_tokens)
             state.prompts = [list(self._history)]
             t0 = time.perf_counter()
-            logprobs = self._feed_missing()
+            logprobs = self._feed_missing(state)
             state.prefill_ms = (time.perf_counter() - t0) * 1e3
             rng = np.random.default_rng(state.params.seed)
             for step in decode_n_tokens(lm, state, logprobs, self._mask, gen.pad_token_id, rng):
@@ -232,13 +232,14 @@ class Conversation:
         else:
             warnings.warn(notice.message(), ContextOverflowWarning, stacklevel=4)
 
-    def _feed_missing(self) -> np.ndarray:
+    def _feed_missing(self, state: GenerationState) -> np.ndarray:
         """Feed the history tokens the cache lacks in one forward; returns the next token's log-probs (1, V), or
         a trimmed head's (1, K) columns (generate.decode_n_tokens maps them)."""
         lm = self.lm
         if not self._cache_valid or lm.past_len >= len(self._history):
             lm.start(1, self.n_positions)  # past_len = 0; reuses the reserved buffers
             self._cache_valid = True
+        configure_head(lm, state)  # a sparse head serves this turn's steps when its parameters allow
         past = lm.past_len
         ids = np.asarray([self._history[past:]], dtype=np.int64)  # (1, S)
         self.last_prefill_tokens = ids.shape[1]

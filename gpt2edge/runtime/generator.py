@@ -26,6 +26,7 @@ from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, check_logprobs
 from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import load_graph
+from gpt2edge.runtime.model.memory_plan import check_generation_memory, check_session_memory
 from gpt2edge.runtime.model.pool import LMPool, check_max_contexts
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
 from gpt2edge.runtime.results import GenerationResult, results_of
@@ -137,10 +138,13 @@ class Generator:
             return ids[-(self.lm.n_positions - max_new_tokens) :]
         raise GenerationError(error)
 
-    def _encode(self, prompts: Sequence[str], truncate: bool, params: SamplingParams) -> list[list[int]]:
+    def _encode(self, prompts, truncate: bool, params: SamplingParams, rows: int = 1, logprobs=None) -> list[list[int]]:
+        """Token ids of each prompt; refused when `rows` sequences per prompt would not fit in memory."""
         if not prompts:
             raise GenerationError("No prompt given.")
-        return [self.encode_prompt(p, params.max_new_tokens, truncate) for p in prompts]
+        ids = [self.encode_prompt(p, params.max_new_tokens, truncate) for p in prompts]
+        check_generation_memory(self.folder, ids, params.max_new_tokens, rows, logprobs=logprobs)
+        return ids
 
     def generate(
         self,
@@ -191,7 +195,7 @@ class Generator:
                 groups = [g[0] for g in groups]
             return groups[0] if isinstance(prompt, str) else groups
         recorder = self.logprob_recorder(logprobs, len(batch))
-        state = self._state(self._encode(batch, truncate, params), params, recorder)
+        state = self._state(self._encode(batch, truncate, params, logprobs=logprobs), params, recorder)
         with self._pool.lease() as lm:
             try:
                 for step in self._steps(lm, state):
@@ -213,7 +217,7 @@ class Generator:
         """Beam search or several samples per prompt: num_return_sequences results per prompt."""
         if not prompts:
             raise GenerationError("No prompt given.")
-        encoded = self._encode(prompts, truncate, params)
+        encoded = self._encode(prompts, truncate, params, max(search.num_beams, search.num_return_sequences))
         if self.folder.kv_cache == "static":  # fixed rows: no beam rows to expand or reorder
             raise GenerationError(
                 f"{self.folder.path} is a static-shape export (fixed batch and cache); beam search and "
@@ -266,7 +270,7 @@ class Generator:
         check_one_sequence(self.defaults, "stream()", num_beams=num_beams, num_return_sequences=num_return_sequences)
         params = self.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
         recorder = self.logprob_recorder(logprobs, 1)
-        prompts = self._encode([prompt], truncate, params)
+        prompts = self._encode([prompt], truncate, params, logprobs=logprobs)
         return self._stream_pieces(self._state(prompts, params, recorder), result)
 
     def logprob_recorder(self, n: int | None, batch: int) -> LogprobRecorder | None:
@@ -277,6 +281,7 @@ class Generator:
     def session(self, *, on_overflow: Callable[[ContextOverflow], None] | None = None) -> Conversation:
         """A conversation that keeps its KV cache across calls: each turn prefills only its new tokens
         (gpt2edge.runtime.conversation). It has its own OrtLM on this Generator's graph."""
+        check_session_memory(self.folder)  # its cache is reserved for all n_positions at once
         return Conversation(self, self.graph.new_lm(self._pool.io_binding), on_overflow=on_overflow)
 
     def _state(

@@ -27,6 +27,7 @@ from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.model.columns import forward_columns, lm_columns
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import OrtLM, load_graph
+from gpt2edge.runtime.model.memory_plan import check_score_memory
 from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
 
@@ -151,6 +152,8 @@ class Scorer:
     def score(
         self, text: str, max_length: int | None = None, stride: int | None = None, method: str = "auto"
     ) -> ScoreResult:
+        # real text runs 2-4 bytes a token: checked before the tokenizer holds them all
+        check_score_memory(self.folder, len(text.encode("utf-8", "surrogatepass")) // 2, max_length)
         return self.score_ids(self.encode(text), max_length, stride, method)
 
     def score_ids(

@@ -47,6 +47,8 @@ def advance(row: Row, token: int, runtime_reason: str | None, record: TokenLogpr
     """Feed one sampled token to a row: decode it, apply the row's stop strings and max_tokens, emit the new
     text with the log-probs of the tokens that start in it (held back with their text)."""
     row.n_tokens += 1
+    if row.job.metrics is not None:
+        row.job.metrics.token(row)
     if row.logprobs is not None and record is not None:
         row.logprobs.push(record)
     if runtime_reason == "eos":

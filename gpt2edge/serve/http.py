@@ -13,21 +13,32 @@ from gpt2edge.serve.protocol import ApiError
 
 
 def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refusing (413) as soon as it is known to exceed `limit` bytes: never buffered past it."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, refusing (413) as soon as it is known to exceed `limit` bytes (never buffered past it),
+    and (408) when it has not all arrived within timeout_s seconds (a client trickling it ties up a socket)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        with anyio.fail_after(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        message = f"The request body did not arrive within {timeout_s:g} s (--body-timeout); send it at once."
+        raise ApiError(408, message, None, "body_timeout", headers={"Connection": "close"}) from None
     return b"".join(chunks)
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "The server is shutting down; retry on another replica or later.", None, "shutting_down",
+                    "server_error", {"Retry-After": "1"})  # fmt: skip
 
 
 def _too_large(limit: int) -> ApiError:

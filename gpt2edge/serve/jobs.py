@@ -6,7 +6,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpt2edge.serve.logprobs import ChoiceLogprobs, TokenEntry
@@ -17,25 +17,46 @@ _ids = itertools.count(1)
 
 @dataclass(frozen=True)
 class Sampling:
-    """OpenAI's knobs. temperature 0 is greedy; ignore_eos is an extension (vLLM has it too)."""
+    """A request's sampling knobs. temperature 0 is greedy. OpenAI's own; vLLM's and llama-server's extras
+    (top_k, min_p, typical_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos) with their off values.
+
+    top_k .. min_tokens are transformers' processors and warpers (the runtime's SamplingParams); presence and
+    frequency penalties, logit_bias and stop_token_ids act per row in the continuous scheduler (serve/penalties.py).
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float | None = None
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def row_extras(self) -> bool:
+        """Knobs only the continuous scheduler applies (per row, outside the runtime's SamplingParams)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.stop_token_ids)
+
     def generate_kwargs(self) -> dict[str, Any]:
         """Generator.generate keywords: OpenAI semantics, not the folder's generation_config.json (its beams,
-        n-gram and bad-word bans, typical-p, min-p... are skipped: transformers' defaults, which are off, apply),
-        and no top-k (transformers' default is 50). One sequence per row: OpenAI's n is rows of the batch."""
-        common = dict(folder_defaults=False, top_k=0, ignore_eos=self.ignore_eos)
+        n-gram and bad-word bans... are skipped: transformers' defaults, which are off, apply), and top-k off
+        unless asked (transformers' default is 50). One sequence per row: OpenAI's n is rows of the batch."""
+        common = dict(folder_defaults=False, ignore_eos=self.ignore_eos, top_k=self.top_k,
+                      repetition_penalty=self.repetition_penalty, min_new_tokens=self.min_tokens)  # fmt: skip
         if self.greedy:
             return dict(common, do_sample=False)
-        return dict(common, do_sample=True, temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+        return dict(common, do_sample=True, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                    min_p=self.min_p, typical_p=self.typical_p)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,9 +73,10 @@ class Piece:
 
 @dataclass(frozen=True)
 class Failure:
-    """The job cannot finish (a numerical failure while decoding, or the server shutting down)."""
+    """The job cannot finish (a numerical failure while decoding, the server shutting down, a slow reader)."""
 
     message: str
+    code: str = "generation_failed"
 
 
 Event = Piece | Failure
@@ -74,6 +96,7 @@ class Row:
     sent: int = 0  # characters of text emitted so far
     done: bool = False
     dropped: bool = False  # its client left before it finished: decoding it stopped mattering
+    last_token_at: float = 0.0  # time.monotonic() of its latest token (inter-token latency)
 
 
 @dataclass
@@ -93,8 +116,12 @@ class Job:
     emit: Callable[[Event], None]
     tokenizer: Decoder
     logprobs: int | None = None  # OpenAI's logprobs: report each token's log-prob and its top N
+    prompt_ids: Sequence[Sequence[int]] | None = None  # each prompt's token ids, when already encoded
+    metrics: Any = None  # serve.metrics.Metrics: told of every token (time to first token, inter-token latency)
+    request_id: str = ""  # the HTTP request's id, for log lines about this job
     id: int = field(default_factory=lambda: next(_ids))
     created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = field(default=None, init=False)
     rows: list[Row] = field(init=False)
     _cancelled: threading.Event = field(default_factory=threading.Event, init=False)
 
@@ -114,10 +141,8 @@ class Job:
         """Jobs with equal keys can share a batch (one SamplingParams per batch). A seeded sampled job runs
         alone, so the same seed gives the same text whoever else is being served."""
         s = self.sampling
-        if s.greedy:
-            return ("greedy", s.ignore_eos)
-        if s.seed is None:
-            return ("sample", s.temperature, s.top_p, s.ignore_eos)
+        if s.greedy or s.seed is None:
+            return ("same", s if not s.greedy else replace(s, top_p=1.0, seed=None, min_p=None, typical_p=1.0))
         return ("seeded", self.id)
 
     @property

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from gpt2edge.serve.config import MAX_LOGPROBS, MAX_STOP, ServeConfig
 from gpt2edge.serve.jobs import Sampling
 from gpt2edge.serve.protocol import ApiError, CompletionRequest
+from gpt2edge.serve.sampling_fields import sampling_from
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -16,6 +17,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class Plan:
     prompts: list[str]
     prompt_lens: list[int]
+    prompt_ids: list[list[int]]
     n: int
     max_tokens: int
     sampling: Sampling
@@ -30,11 +32,6 @@ def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
     """OpenAI fields this server cannot honour are accepted only at their neutral value."""
     if req.suffix:
         raise ApiError(400, "suffix (insertion) is not supported by GPT-2; omit it.", "suffix", "unsupported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise ApiError(400, f"{name} is not supported; omit it or send 0.", name, "unsupported")
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported; omit it or send {}.", "logit_bias", "unsupported")
     if req.best_of not in (None, n):
         raise ApiError(400, f"best_of is not supported; omit it or set it equal to n ({n}).", "best_of", "unsupported")
     if req.stream_options is not None and not req.stream:
@@ -93,13 +90,25 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(strings)
 
 
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against beside the server's limits: the model's positions, the rows one
+    request may take (a static graph's batch), its vocabulary, and whether the scheduler applies the per-row
+    extras (penalties, logit_bias, stop_token_ids). encode gives an empty prompt its start token."""
+
+    n_positions: int
+    max_rows: int
+    vocab_size: int
+    encode: Callable[[str], list[int]]
+    row_extras: bool = True
+
+
 def plan_request(
-    req: CompletionRequest,
-    config: ServeConfig,
-    n_positions: int,
-    encode: Callable[[str], list[int]],
+    req: CompletionRequest, config: ServeConfig, limits: ModelLimits, prompts: list[str] | None = None
 ) -> Plan:
-    """Check the request against the model (name, positions) and the server's limits; encode the prompts."""
+    """Check the request against the model and the server's limits; encode the prompts (`prompts`: the ones a
+    chat template rendered, instead of req.prompt)."""
+    max_rows, n_positions = limits.max_rows, limits.n_positions
     if req.model is not None and req.model != config.model_name:
         raise ApiError(
             404,
@@ -111,21 +120,28 @@ def plan_request(
     _refuse_unsupported(req, n)
     if n > config.max_n:
         raise ApiError(400, f"n must be at most {config.max_n} on this server, got {n}.", "n", "invalid_value")
-    prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+    if prompts is None:
+        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
     if not prompts:
         raise ApiError(400, "prompt must not be an empty list.", "prompt", "invalid_value")
-    if len(prompts) * n > config.max_batch:
+    if len(prompts) * n > max_rows:
+        why = "" if max_rows == config.max_batch else " (its static graph's batch)"
         raise ApiError(
             400,
             f"This request asks for {len(prompts) * n} completions ({len(prompts)} prompt(s) x n={n}); this server "
-            f"decodes at most {config.max_batch} per request. Split it into several requests.",
+            f"decodes at most {max_rows} per request{why}. Split it into several requests.",
             "n",
             "invalid_value",
         )
     _check_logprobs(req)
     stop = _stop_strings(req.stop)
     max_tokens = _max_tokens(req, n_positions)
-    lens = [len(encode(p)) or 1 for p in prompts]  # an empty prompt starts from <|endoftext|>
+    if req.min_tokens is not None and req.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens",
+                       "invalid_value")  # fmt: skip
+    sampling = sampling_from(req, limits.vocab_size, limits.row_extras)
+    ids = [list(limits.encode(p)) for p in prompts]
+    lens = [len(i) for i in ids]
     for i, plen in enumerate(lens):
         if plen + max_tokens > n_positions:
             which = "The prompt" if len(prompts) == 1 else f"Prompt {i}"
@@ -136,8 +152,5 @@ def plan_request(
                 "prompt",
                 "context_length_exceeded",
             )
-    temperature = 1.0 if req.temperature is None else req.temperature
-    top_p = 1.0 if req.top_p is None else req.top_p
-    sampling = Sampling(temperature=temperature, top_p=top_p, seed=req.seed, ignore_eos=req.ignore_eos)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Plan(prompts, lens, n, max_tokens, sampling, stop, req.stream, include_usage, req.echo, req.logprobs)
+    return Plan(prompts, lens, ids, n, max_tokens, sampling, stop, req.stream, include_usage, req.echo, req.logprobs)

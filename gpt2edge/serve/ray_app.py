@@ -44,9 +44,9 @@ def build_application(
 
     def build_app():  # runs in each replica, which loads the folder when the app starts
         from gpt2edge.serve.app import create_app
-        from gpt2edge.serve.scheduler import Scheduler
+        from gpt2edge.serve.continuous import load_scheduler
 
-        return create_app(lambda: Scheduler.load(model_dir, config, device, threads, verify), config)
+        return create_app(lambda: load_scheduler(model_dir, config, device, threads, verify), config)
 
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
@@ -66,6 +66,8 @@ _CONFIG_ARGS: dict[str, Callable[[str], Any]] = {
     "max_queue": int,
     "max_n": int,
     "batch_wait_ms": float,
+    "scheduler": str,
+    "prefill_tokens": int,
 }
 _REPLICA_ARGS: dict[str, Callable[[Any], Any]] = {
     "device": str,
@@ -77,7 +79,7 @@ _REPLICA_ARGS: dict[str, Callable[[Any], Any]] = {
 
 def app_builder(args: dict[str, Any]):
     """Application builder for Ray's CLI and config files: `args` holds model_dir and optional server limits
-    (model_name, max_batch, max_queue, max_n, max_body_kb, batch_wait_ms, device, threads, verify,
+    (model_name, max_batch, max_queue, max_n, max_body_kb, batch_wait_ms, scheduler, device, threads, verify,
     replica_cpus). Values may be strings (`serve run ... max_batch=16`)."""
     args = dict(args)
     model_dir = args.pop("model_dir", None)

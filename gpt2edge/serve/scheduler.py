@@ -12,11 +12,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from gpt2edge.serve.batch import fail, run_batch, take_batch
 from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.jobs import Job
+from gpt2edge.serve.plan import ModelLimits
 
 FILL_SHARE = 0.05  # a new batch may wait this share of the previous batch's decode time for its rows
 
@@ -39,15 +39,21 @@ class SchedulerStats:
     rejected: int = 0  # 429s
     dropped_rows: int = 0  # rows whose client left mid-decode (freed at the next step)
     dropped_waiting: int = 0  # queued requests whose client left (never decoded)
+    steps: int = 0  # decode steps (continuous batching)
+    draining: bool = False  # shutdown has begun: new requests get 503
 
 
 class Scheduler:
     """submit() from any thread (cheap, never blocks); one daemon thread decodes."""
 
+    row_extras = False  # per-row penalties, logit_bias, stop_token_ids: the continuous scheduler's
+
     def __init__(self, generator, config: ServeConfig) -> None:
         self.generator = generator
         self.config = config
+        # a --static graph runs at most its batch of rows, each within its cache capacity
         self.n_positions = int(generator.lm.n_positions)
+        self.max_rows = min(config.max_batch, int(getattr(generator.lm, "batch", config.max_batch)))
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
@@ -58,24 +64,29 @@ class Scheduler:
         self._stats = SchedulerStats()
         self._thread = threading.Thread(target=self._loop, name="gpt2edge-scheduler", daemon=True)
 
-    @classmethod
-    def load(
-        cls, model_dir: str | Path, config: ServeConfig, device: str = "cpu", threads: int | None = None, verify=True
-    ) -> Scheduler:
-        from gpt2edge.runtime import Generator
-
-        return cls(Generator(model_dir, device=device, threads=threads, verify=verify), config)
-
     @property
     def tokenizer(self):
         return self.generator.tokenizer
 
+    def limits(self) -> ModelLimits:
+        vocab = int(self.generator.graph.vocab_size)
+        return ModelLimits(self.n_positions, self.max_rows, vocab, self.encode, self.row_extras)
+
+    def encode(self, prompt: str) -> list[int]:
+        """A prompt's token ids; GPT-2 starts an empty one from <|endoftext|>, as the runtime does."""
+        return self.generator.tokenizer.encode(prompt) or [int(self.generator.bos_token_id)]
+
     def start(self) -> None:
         self._thread.start()
 
+    def drain(self) -> None:
+        """Refuse new jobs (ServerClosed: 503) while the queued and running ones go on (a graceful shutdown)."""
+        with self._cond:
+            self._stats.draining = True
+
     def submit(self, job: Job) -> None:
         with self._cond:
-            if self._closing:
+            if self._closing or self._stats.draining:
                 raise ServerClosed
             if len(self._waiting) >= self.config.max_queue:
                 self._stats.rejected += 1
@@ -123,7 +134,7 @@ class Scheduler:
             self._stats.rows_served += n
             self._stats.largest_batch = max(self._stats.largest_batch, n)
             self._stats.dropped_rows += sum(r.dropped for j in jobs for r in j.rows)
-            self._expect = min(self.config.max_batch, n + self._rows_waiting())
+            self._expect = min(self.max_rows, n + self._rows_waiting())
         return True
 
     def _next_batch(self) -> list[Job] | None:
@@ -148,7 +159,7 @@ class Scheduler:
             # waiting up to 5 % of the previous batch's time costs at most 5 % of throughput, and lets a cohort of
             # clients on a busy host (slow to resend) catch up with the rest
             deadline = time.monotonic() + max(self.config.batch_wait_ms / 1e3, FILL_SHARE * self._last_batch_s)
-            while not self._closing and (rows := self._rows_waiting()) < self.config.max_batch:
+            while not self._closing and (rows := self._rows_waiting()) < self.max_rows:
                 now = time.monotonic()
                 if now >= deadline or (rows >= expected and now - self._last_arrival >= quiet):
                     break
@@ -157,7 +168,7 @@ class Scheduler:
             self._drop_cancelled()
             if self._closing or not self._waiting:
                 return None if self._closing else []
-            self._running = take_batch(self._waiting, self.config.max_batch, self.n_positions)
+            self._running = take_batch(self._waiting, self.max_rows, self.n_positions)
             return self._running
 
     def _rows_waiting(self) -> int:

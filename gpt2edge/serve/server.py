@@ -1,7 +1,16 @@
-"""Running the app on uvicorn: in the foreground (the CLI) or on a background thread (tests, notebooks)."""
+"""Running the app on uvicorn: in the foreground (the CLI) or on a background thread (tests, notebooks).
+
+The port is bound before the model loads (a port in use is one `error:` line, not a lost minute and uvicorn's
+exit 3). uvicorn runs with the limits of ServeConfig: header and body deadlines, a connection cap, a header
+size cap and a keep-alive timeout (serve/limits.py says what each guards against). On SIGTERM or Ctrl-C it stops
+accepting, requests that still arrive get 503, running rows get shutdown_timeout_s to finish, the rest are
+cancelled, and the process exits 0.
+"""
 
 from __future__ import annotations
 
+import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -11,23 +20,53 @@ import uvicorn
 from fastapi import FastAPI
 
 from gpt2edge.errors import ServeError
-from gpt2edge.serve.app import create_app
+from gpt2edge.serve.app import create_app, drain
 from gpt2edge.serve.config import ServeConfig
-from gpt2edge.serve.scheduler import Scheduler
-
-GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish before they are cut (and their rows freed)
+from gpt2edge.serve.continuous import load_scheduler
+from gpt2edge.serve.limits import limited_protocol
 
 
 def local_app(
     model_dir: str | Path, config: ServeConfig, device: str = "cpu", threads: int | None = None, verify: bool = True
 ) -> FastAPI:
-    """Load the model now (a bad folder fails here, before any port is bound) and wrap it in the app."""
-    scheduler = Scheduler.load(model_dir, config, device=device, threads=threads, verify=verify)
+    """Load the model now (a bad folder fails here, before any request) and wrap it in the app."""
+    scheduler = load_scheduler(model_dir, config, device=device, threads=threads, verify=verify)
     return create_app(lambda: scheduler, config)
 
 
+def loading_app(
+    model_dir: str | Path, config: ServeConfig, device: str, threads: int | None, on_error: Callable[[str], None]
+) -> FastAPI:
+    """An app that loads the model (already verified by the caller) on a thread once the server starts."""
+    return create_app(
+        lambda: load_scheduler(model_dir, config, device=device, threads=threads, verify=False),
+        config,
+        background=True,
+        on_load_error=on_error,
+    )
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening address bound now, so that a port in use (or an address this machine lacks) is reported
+    before anything is loaded."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ServeError(f"Cannot resolve --host {host!r} ({e.strerror}); pass an address such as 127.0.0.1.") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"Cannot listen on {host}:{port}: {e.strerror}; pass another --port.") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 class _Server(uvicorn.Server):
-    """uvicorn.Server that reports the address it bound (port 0 means any free port)."""
+    """uvicorn.Server that reports the address it bound (port 0 means any free port), turns new requests away
+    (503) as soon as shutdown starts, and exits 0 on SIGTERM (uvicorn re-raises the signal it handled)."""
 
     def __init__(self, config: uvicorn.Config, on_ready: Callable[[str], None] | None = None) -> None:
         super().__init__(config)
@@ -42,24 +81,85 @@ class _Server(uvicorn.Server):
             if self._on_ready is not None:
                 self._on_ready(self.url)
 
+    def handle_exit(self, sig: int, frame) -> None:
+        drain(self.config.app)
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:  # a service manager's stop: a clean exit once shut down, not death by signal
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    def request_exit(self) -> None:
+        drain(self.config.app)
+        self.should_exit = True
+
 
 def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
+    limits: ServeConfig = app.state.config
     return uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on"
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        http=limited_protocol(limits.header_timeout_s, connection_cap(limits.max_connections)),
+        h11_max_incomplete_event_size=limits.max_header_bytes,
+        timeout_keep_alive=limits.keep_alive_s,
+        timeout_graceful_shutdown=limits.shutdown_timeout_s,
+        access_log=False,  # the app writes its own structured access log (request ids, timings)
     )
 
 
+def connection_cap(asked: int) -> int:
+    """--max-connections, lowered to leave 64 file descriptors of the process's limit (ulimit -n) for the model,
+    logs and the listening socket: past the limit accept() fails and nobody gets in."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return asked if soft == resource.RLIM_INFINITY else max(1, min(asked, soft - 64))
+
+
 def serve_forever(
-    app: FastAPI, host: str, port: int, on_ready: Callable[[str], None] | None = None, log_level: str = "info"
+    make_app: Callable[[Callable[[str], None]], FastAPI],
+    sock: socket.socket,
+    on_ready: Callable[[str], None] | None = None,
+    log_level: str = "info",
 ) -> None:
-    """Serve until Ctrl-C / SIGTERM (uvicorn handles both and shuts down gracefully)."""
+    """Serve on a bound socket until Ctrl-C / SIGTERM; then shut down gracefully. make_app(on_load_error) builds
+    the app; a load that fails stops the server and is raised here as one ServeError."""
+    _log_lines()
+    host, port = sock.getsockname()[:2]
+    failed: list[str] = []
+    holder: list[_Server] = []
+
+    def on_load_error(message: str) -> None:
+        failed.append(message)
+        holder[0].request_exit()
+
+    app = make_app(on_load_error)
     server = _Server(_uvicorn_config(app, host, port, log_level), on_ready)
+    holder.append(server)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down
         pass
+    if failed:
+        raise ServeError(f"Could not load the model: {failed[0]}")
     if not server.started:
-        raise ServeError(f"Could not start the server on {host}:{port} (port in use?); pass another --port.")
+        raise ServeError(f"The server on {host}:{port} did not start; see the log above.")
+
+
+def _log_lines() -> None:
+    """gpt2edge's own log lines (the JSON access log, load and failure notes) on stderr, one per line."""
+    import logging
+
+    for name in ("gpt2edge.access", "gpt2edge.serve"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(message)s" if name.endswith("access") else "%(levelname)s: "
+                                                   "%(message)s"))  # fmt: skip
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
 
 
 class BackgroundServer:
@@ -79,6 +179,10 @@ class BackgroundServer:
             raise ServeError("The background server did not start; see its log above.")
         return self._server.url
 
+    def stop(self) -> None:
+        """Begin a graceful shutdown (returns at once; __exit__ waits for it)."""
+        self._server.request_exit()
+
     def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
+        self._server.request_exit()
         self._thread.join(self._timeout)

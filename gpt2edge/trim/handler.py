@@ -20,7 +20,7 @@ from tqdm import tqdm
 import gpt2edge
 from gpt2edge.errors import TrimError
 from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder_checks import check_output_dir, check_sources
+from gpt2edge.folder_checks import check_inputs, check_output_dir, check_sources
 from gpt2edge.manifest import load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.manifest_records import GENERATION_CONFIG, Manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
@@ -52,6 +52,8 @@ def check_request(src: Path, out: Path, keep_from: Sequence[Path], keep_ids: Pat
         raise TrimError("--top picks the corpus's most frequent tokens; it applies to --keep-from only.")
     info = load_manifest(src)
     check_sources(out, [src])  # OUT equal to, inside or holding DIR: --force would delete the input
+    # a corpus or id list inside OUT would be deleted by --force too
+    check_inputs(out, [*((f"--keep-from {p}", p) for p in keep_from), (f"--keep-ids {keep_ids}", keep_ids)])
     if info.vocab is not None:
         raise TrimError(
             f"{src} is already vocabulary-trimmed ({info.vocab.kept} of {info.vocab.full} tokens); trim its "

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, pre_tokenizers
 
 from gpt2edge.errors import TrimError
 from gpt2edge.runtime.model.tokenizer import load_tokenizer
+from gpt2edge.trim.corpus import count_corpus
 
 
 @dataclass(frozen=True)
@@ -49,41 +50,6 @@ def special_token_ids(tokenizer_json: Path) -> list[int]:
     """Ids of the tokenizer's added tokens marked special (<|endoftext|> for GPT-2)."""
     data = json.loads(Path(tokenizer_json).read_text())
     return sorted(int(t["id"]) for t in data.get("added_tokens", []) if t.get("special"))
-
-
-def corpus_texts(paths: Sequence[Path]) -> tuple[list[str], int]:
-    """The UTF-8 text of each corpus file (a folder: every file under it); returns (texts, files skipped).
-
-    Files that are not UTF-8 text (binaries, caches) are skipped, so a source tree can be given as it is."""
-    texts, skipped = [], 0
-    for root in map(Path, paths):
-        if not root.exists():
-            raise TrimError(f"Corpus {root} does not exist; give a text file or a folder of text files.")
-        files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()) if root.is_dir() else [root]
-        for p in files:
-            try:
-                text = p.read_bytes().decode("utf-8")
-            except (OSError, UnicodeDecodeError):
-                skipped += 1
-                continue
-            if "\0" in text:
-                skipped += 1
-                continue
-            texts.append(text)
-    if not any(texts):
-        raise TrimError(f"The corpus {', '.join(map(str, paths))} holds no UTF-8 text; give a text file or folder.")
-    return texts, skipped
-
-
-def token_counts(tok: Tokenizer, texts: Sequence[str], vocab_size: int) -> np.ndarray:
-    """(V,) how often each id occurs in the texts, tokenized exactly as the runtime encodes prompts."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for enc in tok.encode_batch(list(texts), add_special_tokens=False):
-        ids = np.asarray(enc.ids, dtype=np.int64)
-        if ids.size and ids.max() >= vocab_size:
-            raise TrimError(f"The tokenizer produced id {ids.max()} but the model has {vocab_size}; re-export it.")
-        counts += np.bincount(ids, minlength=vocab_size)
-    return counts
 
 
 def read_id_list(path: Path) -> list[int]:
@@ -141,8 +107,8 @@ def keep_from_corpus(
     if top is not None and top < 1:
         raise TrimError(f"--top must be >= 1, got {top}.")
     tok = load_tokenizer(tokenizer_json)
-    texts, skipped = corpus_texts(corpus)
-    counts = token_counts(tok, texts, vocab_size)
+    counted = count_corpus(tok, corpus, vocab_size)  # streamed: constant memory, progress, Ctrl-C
+    counts = counted.counts
     seen = np.flatnonzero(counts)
     if top is not None:
         order = np.lexsort((seen, -counts[seen]))  # most frequent first, ties by id
@@ -150,8 +116,8 @@ def keep_from_corpus(
     source = {
         "keep_from": [str(Path(p).resolve()) for p in corpus],
         "top": top,
-        "corpus_files": len(texts),
-        "corpus_files_skipped": skipped,
+        "corpus_files": counted.files,
+        "corpus_files_skipped": counted.skipped,
         "corpus_tokens": int(counts.sum()),
         "corpus_distinct_tokens": int(np.count_nonzero(counts)),
     }

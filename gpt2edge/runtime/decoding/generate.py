@@ -168,6 +168,13 @@ def generate(
     return state
 
 
+def configure_head(lm: OrtLM, state: GenerationState) -> None:
+    """A sparse head (gpt2edge.runtime.sparse_head) serves the steps this call allows; other LMs ignore it."""
+    configure = getattr(lm, "configure_head", None)
+    if configure is not None:
+        configure(state.params, state.logprobs is not None)
+
+
 def iter_generate(lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, pad_id: int) -> Iterator[Step]:
     """generate() as an iterator over steps (streaming consumers use this)."""
     params, prompts = state.params, state.prompts
@@ -184,6 +191,7 @@ def iter_generate(lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, p
     ids, mask = left_pad(prompts, pad_id, total)
     # the last sampled token is never fed back, so the cache needs total - 1 positions
     lm.start(B, total - 1)
+    configure_head(lm, state)
     try:
         t0 = time.perf_counter()
         logprobs = prefill(lm, ids, mask[:, :S])

@@ -32,7 +32,7 @@ class CacheRows:
         self._bound_seq = 0  # the batch changed: bind afresh
         if self.io_binding:
             if self.folder.head == "last":
-                shape = (rows, self.vocab_size if self.kept_ids is None else len(self.kept_ids))
+                shape = (rows, self.graph.output_width)
                 if self.device == "cpu":
                     self._logprobs = np.empty(shape, dtype=np.float32)
                 else:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import GenerationError, ModelFolderError
+from gpt2edge.external_data import check_external_data
 from gpt2edge.manifest import check_present, load_manifest, resolve_inside, verify_files
 from gpt2edge.manifest_records import ATTENTION_OPS, GENERATION_CONFIG, GraphInfo, Manifest, ModelDims
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
@@ -33,8 +34,10 @@ class ModelFolder:
         info = load_manifest(path)
         _check_graph_format(path, info.graph.format)
         if verify:
-            verify_files(path, info)
+            verify_files(path, info)  # checksums, and the graph's external data is among the files checked
         check_present(path, info.loaded_files())
+        if not verify:
+            check_external_data(path, info)  # without checksums, still no file the manifest does not list
         if info.graph.kv_dtype not in _DTYPES:
             raise ModelFolderError(f"{path}: unsupported KV cache dtype {info.graph.kv_dtype!r}.")
         if info.graph.kv_cache == "shared" and info.graph.attention != ATTENTION_OPS["shared"]:

@@ -26,13 +26,17 @@ class OrtGraph:
     """
 
     def __init__(
-        self, folder: ModelFolder, device: str = "cpu", threads: int | None = None, spin: bool = True
-    ) -> None:
+        self, folder: ModelFolder, device: str = "cpu", threads: int | None = None, spin: bool = True,
+        output: str = "logprobs",
+    ) -> None:  # fmt: skip
         if folder.graph.static is not None:
             raise ModelFolderError(
                 f"{folder.path} is a static-shape export (--static); load it with gpt2edge.runtime.model.lm.load_graph "
                 "(or Generator), which runs it with StaticLM."
             )
+        if folder.info.raw.get("sparse_head") is not None and output == "logprobs":  # its graph returns `hidden`
+            raise ModelFolderError(f"{folder.path} has a sparse head; load it with load_graph (or Generator).")
+        self.output = output  # the first output: "logprobs", or "hidden" (a sparse-head body, runtime/sparse_head)
         self.folder = folder
         self.device = device
         self.shared = folder.kv_cache == "shared"
@@ -52,7 +56,9 @@ class OrtGraph:
         self.past_names = [n for n in names if n.startswith("past_key_values.")]
         self.keeps = KEEP_INPUT in names  # --head tail: the graph returns the positions listed in that input
         self._check_cache_inputs()  # before any cache is sized from the manifest's dims
-        self.kept_ids = self._kept_ids()  # a vocabulary-trimmed head's K columns, as full ids (else None)
+        self.kept_ids = self._kept_ids() if output == "logprobs" else None  # a trimmed head's K columns, full ids
+        width = self.vocab_size if self.kept_ids is None else len(self.kept_ids)
+        self.output_width = width if output == "logprobs" else folder.dims.n_embd  # "hidden": (B, n_embd)
         self.columns = None if self.kept_ids is None else Columns.of(self.kept_ids, self.vocab_size)
         # private, for parity tests: generate loops on this graph scatter to (B, V) first, as before K columns
         self._full_vocab_steps = False
@@ -104,6 +110,11 @@ def load_graph(
     idle intra-op threads sleep (a draft model alternates with this graph token by token)."""
     if folder.graph.static is not None:
         return StaticGraph.from_folder(folder, device=device, threads=threads)
+    if folder.info.raw.get("sparse_head") is not None:  # the body here, the head in runtime/sparse_head
+        from gpt2edge.runtime.sparse_head.lm import SparseGraph
+
+        body = OrtGraph(folder, device=device, threads=threads, spin=spin, output="hidden")
+        return SparseGraph(body, device=device, threads=threads, spin=spin)
     return OrtGraph(folder, device=device, threads=threads, spin=spin)
 
 
@@ -243,7 +254,7 @@ class OrtLM(CacheRows):
         row by row: row b's slice of each (B, nh, capacity, hs) cache buffer is itself a contiguous
         (1, nh, capacity, hs) tensor, which the graph reads and writes in place as a batch of one."""
         B, S = input_ids.shape
-        width = self.vocab_size if self.kept_ids is None else len(self.kept_ids)  # the graph's log-prob columns
+        width = self.graph.output_width  # the graph's log-prob columns
         out = np.empty((B, width), dtype=np.float32)
         for r in range(B):
             step = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
@@ -255,7 +266,7 @@ class OrtLM(CacheRows):
                 b = self.session.io_binding()
                 for name, arr in feed.items():
                     b.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
-                b.bind_output("logprobs", "cpu")
+                b.bind_output(self.graph.output, "cpu")
                 for past, present, view in zip(self.past_names, self.present_names, cache):
                     b.bind_input(past, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
                     b.bind_output(present, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
@@ -291,13 +302,13 @@ class OrtLM(CacheRows):
             if self._tail.size < size:
                 self._tail = np.empty(size, dtype=np.float32)
             self._logprobs = lp = self._tail[:size].reshape(B, keep, self.vocab_size)
-            b.bind_output("logprobs", "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
+            b.bind_output(self.graph.output, "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
         elif lp is None:  # head "all" (B, S, V), or a tail head on CUDA: the shape varies, ORT allocates it
-            b.bind_output("logprobs", ORT_DEVICE[self.device])
+            b.bind_output(self.graph.output, ORT_DEVICE[self.device])
         elif self.device == "cpu":
-            b.bind_output("logprobs", "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
+            b.bind_output(self.graph.output, "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
         else:
-            b.bind_ortvalue_output("logprobs", lp)
+            b.bind_ortvalue_output(self.graph.output, lp)
         self.cache.bind(b, self.past_names, self.present_names, self.past_len, S)
 
 

@@ -1,0 +1,263 @@
+"""SparseGraph and SparseLM: a sparse-head folder as the runtime's graph and generation context.
+
+The body graph (an OrtGraph returning `hidden`) runs the blocks; the head runs here, per row:
+  1. h_eff = the activation the head's kernel multiplies (exact.py); every row's upper bound
+     ub_i = h_eff . mu + (Q^T h_eff) . a_i + ||h_eff - Q Q^T h_eff|| eps_i in one single-threaded MatMul, the
+     bound graph (r + 2 multiply-adds a row; a threaded BLAS beside ONNX Runtime's spinning threads stalls);
+  2. the k rows of best bound get their exact logit; L = the k-th best of them; when many rows still reach L,
+     the best REFINE of them by the bound's centre s_i = ub_i - ||.|| eps_i raise L (a loose bound can top ub);
+  3. every row with ub_i >= L - slack gets its exact logit; the rest provably score below the k-th best;
+  4. certified when the k-th and (k+1)-th best exact logits differ by more than TIE (exact.py), else that
+     row falls back to the full head (the parent's head graph) and the fallback is counted.
+The result row holds the exact logits of the rows read (shifted so the best is 0) and -inf elsewhere: the same
+greedy token and the same top-k distribution as the full head's log-probs. Calls that need more (sparse_k says
+which) run the full head every step: their log-probs are the parent's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from gpt2edge.errors import ModelFolderError
+from gpt2edge.manifest import resolve_inside
+from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
+from gpt2edge.runtime.sparse_head.exact import TIE, HeadKernel
+from gpt2edge.runtime.sparse_head.policy import sparse_k
+from gpt2edge.runtime.sparse_head.record import FIX, SparseHeadInfo, load_table
+
+# past this share of the rows to read exactly (but at least MIN_ROWS), a step runs the full head: NumPy's exact
+# rows cost ~0.1 us each against ~3 ns a row for ONNX Runtime's int8 head, so beyond ~2 % the full head is faster
+MAX_FRACTION = 0.02
+MIN_ROWS = 64
+REFINE = 16  # rows whose exact logits raise the floor when the first one leaves many candidates
+
+
+@dataclass
+class SparseStats:
+    """Counters over every step since load (or reset()): `steps` head evaluations (one per row per forward),
+    `certified` of them served by the sparse head, `fallbacks` that could not be certified and ran the full head,
+    `full` that ran the full head because the call needs it; `rows_read` exact rows summed over certified steps."""
+
+    steps: int = 0
+    certified: int = 0
+    fallbacks: int = 0
+    full: int = 0
+    rows_read: int = 0
+
+    def to_json(self, vocab_size: int) -> dict:
+        out = asdict(self)
+        out["certified_fraction"] = self.certified / self.steps if self.steps else 0.0
+        out["rows_read_fraction"] = self.rows_read / (self.certified * vocab_size) if self.certified else 0.0
+        return out
+
+
+class SparseGraph:
+    """A sparse-head folder loaded once (shared by threads): the body graph (an OrtGraph whose first output is
+    `hidden`, from gpt2edge.runtime.model.lm.load_graph), the head graph, the bound graph and the tables."""
+
+    def __init__(
+        self,
+        body,
+        device: str = "cpu",
+        threads: int | None = None,
+        spin: bool = True,
+        max_fraction: float = MAX_FRACTION,
+    ) -> None:
+        if not 0.0 < max_fraction <= 1.0:
+            raise ValueError(f"max_fraction must be in (0, 1], got {max_fraction!r}")
+        folder = body.folder
+        rec = SparseHeadInfo.of(folder.info, str(folder.path / "manifest.json"))
+        if rec is None:
+            raise ModelFolderError(f"{folder.path} has no sparse head; load it with load_graph.")
+        self.folder, self.rec, self.device = folder, rec, device
+        self.body = body
+        out = body.session.get_outputs()[0]
+        width = out.shape[-1] if out.shape else None
+        if out.name != "hidden" or (isinstance(width, int) and width != folder.dims.n_embd):
+            raise ModelFolderError(
+                f"{folder.path}: the graph's first output is {out.name} {out.shape}, not the (batch, "
+                f"{folder.dims.n_embd}) hidden state its sparse_head record describes; {FIX}."
+            )
+        self.head_path = resolve_inside(folder.path, rec.head_file)
+        self.head = create_session(self.head_path, device=device, threads=threads, spin=spin)
+        self.bound_path = resolve_inside(folder.path, rec.bound_file)
+        self.bound = create_session(self.bound_path, device=device, threads=1)
+        self.run_options = quiet_run_options()
+        d = folder.dims
+        self.table = load_table(resolve_inside(folder.path, rec.table_file), rec, d.vocab_size, d.n_embd)
+        self.max_rows = max(min(MIN_ROWS, d.vocab_size), int(max_fraction * d.vocab_size))
+        self.stats = SparseStats()
+        self._lock = threading.Lock()
+        self.certify = self._self_check()
+
+    def __getattr__(self, name: str):
+        # the OrtGraph surface (dims, names, kv cache kind) is the body's
+        if name == "body":
+            raise AttributeError(name)
+        return getattr(self.body, name)
+
+    @property
+    def kept_ids(self) -> None:
+        return None
+
+    @property
+    def columns(self) -> None:
+        return None
+
+    def new_lm(self, io_binding: bool = True) -> SparseLM:
+        return SparseLM(self, io_binding=io_binding)
+
+    def full_head(self, h: np.ndarray) -> np.ndarray:
+        """(B, C) hidden -> (B, V) float32 log-probs from the parent's head graph."""
+        with run_errors(self.head_path):
+            return self.head.run(None, {"hidden": np.ascontiguousarray(h, dtype=np.float32)}, self.run_options)[0]
+
+    def count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.stats = SparseStats()
+
+    def _self_check(self) -> bool:
+        """On two seeded probes: the bound table must bound every row's exact logit (a table built for another
+        model, or edited and loaded without verification, is refused), and the exact logits must agree with this
+        machine's head kernel within TIE / 4 (else the sparse path is off: every step runs the full head)."""
+        kernel = HeadKernel(self.table, self.rec.kind, self.folder.dims.n_embd)
+        rng = np.random.default_rng(0)
+        agree = True
+        for scale in (1.0, 8.0):
+            h = (rng.standard_normal(self.folder.dims.n_embd) * scale).astype(np.float32)
+            he = kernel.prepare(h)
+            exact = kernel.full()
+            ub, _, slack = self.first_pass(kernel, he)
+            if ub.shape != exact.shape or np.any(ub + slack < exact):
+                raise ModelFolderError(
+                    f"{self.folder.path}: the sparse head's bound table does not bound the head's logits (built for "
+                    "another model, or edited); build it again with `gpt2edge sparse-head`."
+                )
+            d = exact - self.full_head(h[None])[0].astype(np.float64)
+            agree &= bool(d.max() - d.min() < TIE / 4)
+        if not agree:
+            warnings.warn(
+                f"{self.folder.path}: this ONNX Runtime's head kernel differs from the sparse head's arithmetic by "
+                f"more than {TIE / 4}; every step runs the full head.",
+                stacklevel=3,
+            )
+        return agree
+
+    def first_pass(self, kernel: HeadKernel, he: np.ndarray) -> tuple[np.ndarray, float, float]:
+        """(ub, residual norm, slack): every row's upper bound for the activation he (C,), the norm that scales
+        eps, and the allowance for float rounding."""
+        t = self.table
+        q = t.q.astype(np.float64)
+        hq = he.astype(np.float64) @ q  # (r,), tiny: no BLAS threads
+        perp = float(np.linalg.norm(he - q @ hq)) * (1 + 1e-5)
+        x = np.empty((1, len(hq) + 2), dtype=np.float32)
+        x[0, :-2], x[0, -2], x[0, -1] = hq, perp, he.astype(np.float64) @ t.mu
+        with run_errors(self.bound_path):
+            ub = self.bound.run(None, {"bound_input": x}, self.run_options)[0][0]
+        slack = kernel.scale * float(np.linalg.norm(he)) + float(np.linalg.norm(hq)) * t.eps_par
+        return ub, perp, slack
+
+
+class SparseLM:
+    """OrtLM's contract on a sparse-head folder: forward() -> (B, V) rows for the next token.
+
+    By default (and after every start()) each step runs the full head: log-probs, as OrtLM gives. A generate
+    loop calls configure_head(params, logprobs) after start(); when sparse_k allows, steps run the certified
+    sparse head and return exact logits shifted so the best is 0 (-inf at rows not read): the same argmax and
+    top-k softmax, not log-probs. Not thread-safe (one per generation, like OrtLM)."""
+
+    def __init__(self, graph: SparseGraph, io_binding: bool = True) -> None:
+        self.graph = graph
+        self.body = graph.body.new_lm(io_binding)
+        self.kernel = HeadKernel(graph.table, graph.rec.kind, graph.folder.dims.n_embd)
+        self.k: int | None = None
+        self.kept_ids = None
+        self.columns = None
+
+    def __getattr__(self, name: str):
+        # dims, cache and row management are the body's (use_rows, expand_rows, reorder_rows, rewind, compact ...)
+        if name == "body":
+            raise AttributeError(name)
+        return getattr(self.body, name)
+
+    @property
+    def past_len(self) -> int:
+        return self.body.past_len
+
+    @past_len.setter
+    def past_len(self, value: int) -> None:
+        self.body.past_len = value
+
+    def start(self, batch: int, length: int) -> None:
+        self.k = None  # a loop that never configures the head (beam search, scoring) gets log-probs
+        self.body.start(batch, length)
+
+    def configure_head(self, params, logprobs: bool = False) -> None:
+        """Serve the coming steps sparsely when the call's choice depends only on the k best logits."""
+        self.k = sparse_k(params, logprobs) if self.graph.certify else None
+
+    def forward(self, input_ids, attention_mask, position_ids, keep: int | None = None) -> np.ndarray:
+        h = self.body.forward(input_ids, attention_mask, position_ids, keep)
+        if keep is not None:  # a last-position graph: keep is 1 (OrtLM refuses more)
+            return self._head(h[:, -1])[:, None]
+        return self._head(h)
+
+    def forward_kept(self, input_ids, attention_mask, position_ids) -> np.ndarray:
+        return self.forward(input_ids, attention_mask, position_ids)
+
+    def to_full_vocab(self, lp: np.ndarray) -> np.ndarray:
+        return lp
+
+    def _head(self, h: np.ndarray) -> np.ndarray:
+        """(B, C) hidden -> (B, V) rows: log-probs from the full head, or certified sparse rows."""
+        g = self.graph
+        if self.k is None:
+            g.count(steps=len(h), full=len(h))
+            return g.full_head(h)
+        V = g.folder.dims.vocab_size
+        out = np.full((len(h), V), -np.inf, dtype=np.float32)
+        for b in range(len(h)):
+            picked = self._select(h[b], self.k)
+            if picked is None:
+                g.count(steps=1, fallbacks=1)
+                out[b] = g.full_head(h[b : b + 1])[0]
+                continue
+            rows, vals = picked
+            g.count(steps=1, certified=1, rows_read=len(rows))
+            out[b, rows] = (vals - vals.max()).astype(np.float32)
+        return out
+
+    def _select(self, h: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(rows read, their exact logits) with every row that can be among the k best; None: not certified."""
+        kernel, g = self.kernel, self.graph
+        he = kernel.prepare(h)
+        ub, perp, slack = g.first_pass(kernel, he)
+        V = len(ub)
+        k = min(k, V)
+        first = np.array([int(ub.argmax())]) if k == 1 else np.argpartition(ub, V - k)[V - k :]
+        floor = kernel.exact(first).min()  # the k-th best logit is at least this
+        rows = np.flatnonzero(ub >= floor - slack - TIE)
+        if len(rows) > REFINE + k:  # raise the floor with the rows of best bound centre among them
+            centre = ub[rows] - perp * g.table.eps[rows]
+            best = rows[np.argpartition(centre, len(rows) - REFINE - k)[len(rows) - REFINE - k :]]
+            vals = kernel.exact(best)
+            floor = max(floor, np.partition(vals, len(vals) - k)[len(vals) - k])
+            rows = rows[ub[rows] >= floor - slack - TIE]
+        if len(rows) > g.max_rows:
+            return None
+        vals = kernel.exact(rows)
+        if len(rows) > k:  # the k-th and the next best must be apart by more than the kernel's rounding
+            top = -np.partition(-vals, k)[: k + 1]
+            top.sort()
+            if top[1] - top[0] <= TIE:
+                return None
+        return rows, vals

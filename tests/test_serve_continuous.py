@@ -1,0 +1,165 @@
+"""Continuous batching (gpt2edge.serve.continuous): requests join a running batch at a step boundary and leave
+it when they end; every greedy row still gets its tokens alone (both graph kinds), a seeded request its text
+whoever else is served. A --static folder is served within its batch and capacity (next-batch scheduler)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'gpt2edge[serve]'")
+httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
+
+from test_serve import PROMPTS, alone, joined, post, stream_one  # noqa: E402
+
+from gpt2edge.errors import ServeError  # noqa: E402
+from gpt2edge.runtime import Generator  # noqa: E402
+from gpt2edge.serve import ServeConfig  # noqa: E402
+from gpt2edge.serve.app import create_app  # noqa: E402
+from gpt2edge.serve.continuous import ContinuousScheduler, make_scheduler  # noqa: E402
+from gpt2edge.serve.jobs import Job, Piece, Sampling  # noqa: E402
+from gpt2edge.serve.scheduler import Scheduler  # noqa: E402
+from gpt2edge.serve.server import BackgroundServer  # noqa: E402
+
+SAMPLED = dict(temperature=1.5, top_p=0.9)
+
+
+def job(gen: Generator, prompt: str, max_tokens: int, out: list, n: int = 1, stop=(), **sampling) -> Job:
+    return Job([prompt], [len(gen.tokenizer.encode(prompt)) or 1], n, max_tokens, Sampling(**sampling),
+               tuple(stop), out.append, gen.tokenizer)  # fmt: skip
+
+
+def texts(events: list, n: int = 1) -> list[str]:
+    out = [""] * n
+    for e in events:
+        assert isinstance(e, Piece), e
+        out[e.choice] += e.text
+    return out
+
+
+def wait(jobs, timeout=60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(j.finished for j in jobs) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert all(j.finished for j in jobs)
+
+
+@pytest.mark.parametrize("kind", ["tiny_export", "tiny_export_shared"])
+def test_requests_joining_a_running_batch_get_their_tokens_alone(kind, request):
+    """Three cache rows; requests arrive while others decode, wait for a free row, join mid-batch and leave
+    at their own length, stop string or end of text."""
+    gen = Generator(request.getfixturevalue(kind))
+    scheduler = ContinuousScheduler(gen, ServeConfig(model_name="tiny", max_batch=3))
+    scheduler.start()
+    specs = [(p, 6 + 7 * (i % 4), ("e t",) if i % 3 == 0 else ()) for i, p in enumerate(PROMPTS)]
+    events: list[list] = [[] for _ in specs]
+    jobs = []
+    for i, (p, m, stop) in enumerate(specs):
+        jobs.append(job(gen, p, m, events[i], stop=stop, temperature=0))
+        scheduler.submit(jobs[-1])
+        steps = scheduler.stats()["steps"]
+        while i % 2 and scheduler.stats()["steps"] < steps + 2 and not all(j.finished for j in jobs):
+            time.sleep(0.002)  # every other request arrives a couple of steps into the running batch
+    n_events: list = []
+    n_job = job(gen, PROMPTS[1], 9, n_events, n=2, temperature=0)  # two rows joining together
+    scheduler.submit(n_job)
+    wait([*jobs, n_job])
+    stats = scheduler.stats()
+    scheduler.stop()
+    for i, (p, m, stop) in enumerate(specs):
+        assert texts(events[i]) == [alone(gen, p, m, stop)], f"request {i} ({kind})"
+    assert texts(n_events, 2) == [alone(gen, PROMPTS[1], 9)] * 2
+    assert stats["largest_batch"] == 3 and stats["running"] == 0
+    assert stats["batches"] > 2  # newcomers joined in several groups: not one batch after another
+    assert scheduler.slots.live == 0 and scheduler.slots.allocations <= 2
+
+
+def test_seeded_requests_reproduce_whoever_else_is_served(tiny_export):
+    """A seeded request (n=2) gives the runtime's sampled text for that seed, alone or among other traffic."""
+    gen = Generator(tiny_export)
+    prompt, m, seed = PROMPTS[0], 20, 1234
+    kw = dict(do_sample=True, top_k=0, folder_defaults=False, ignore_eos=True, **SAMPLED)
+    want = [r.text for r in gen.generate([prompt, prompt], max_new_tokens=m, seed=seed, **kw)]
+    results = []
+    for traffic in (0, 5):
+        scheduler = ContinuousScheduler(gen, ServeConfig(model_name="tiny", max_batch=8))
+        others = [job(gen, p, 12, [], ignore_eos=True, **SAMPLED) for p in PROMPTS[:traffic]]
+        for j in others[:2]:
+            scheduler.submit(j)
+        scheduler.start()
+        time.sleep(0.02)
+        events: list = []
+        seeded = job(gen, prompt, m, events, n=2, seed=seed, ignore_eos=True, **SAMPLED)
+        scheduler.submit(seeded)
+        for j in others[2:]:
+            scheduler.submit(j)
+        wait([seeded, *others])
+        scheduler.stop()
+        results.append(texts(events, 2))
+    assert results[0] == results[1] == want
+
+
+def test_a_client_that_leaves_frees_its_row_for_a_waiting_request(tiny_export):
+    """One cache row: a long stream is abandoned, the waiting request takes the freed row at once."""
+    gen = Generator(tiny_export)
+    scheduler = ContinuousScheduler(gen, ServeConfig(model_name="tiny", max_batch=1))
+    scheduler.start()
+    long, short = [], []
+    a = job(gen, "A", 120, long, ignore_eos=True, temperature=0)
+    b = job(gen, PROMPTS[0], 5, short, temperature=0)
+    scheduler.submit(a)
+    scheduler.submit(b)
+    while not long:
+        time.sleep(0.002)
+    a.cancel()
+    wait([b])
+    stats = scheduler.stats()
+    scheduler.stop()
+    assert texts(short) == [alone(gen, PROMPTS[0], 5)]
+    assert stats["dropped_rows"] == 1 and len(long) < 100
+
+
+def test_the_old_scheduler_stays_selectable(tiny_export):
+    gen = Generator(tiny_export)
+    assert type(make_scheduler(gen, ServeConfig(model_name="t"))) is ContinuousScheduler
+    assert type(make_scheduler(gen, ServeConfig(model_name="t", scheduler="next-batch"))) is Scheduler
+    with pytest.raises(ServeError, match="--scheduler must be one of continuous, next-batch"):
+        ServeConfig(model_name="t", scheduler="fifo")
+
+
+# ---- a --static folder: its batch and capacity ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def static_export(tiny_checkpoint, tmp_path_factory):
+    from click.testing import CliRunner
+
+    from gpt2edge.cli import main
+
+    out = tmp_path_factory.mktemp("static") / "tiny-static"
+    r = CliRunner().invoke(main, ["export", "-m", str(tiny_checkpoint), str(out), "--static", "2x8x64"])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_a_static_folder_is_served_within_its_batch_and_capacity(static_export):
+    gen = Generator(static_export)
+    config = ServeConfig(model_name="tiny", max_batch=16)
+    scheduler = make_scheduler(gen, config)
+    assert type(scheduler) is Scheduler and scheduler.max_rows == 2 and scheduler.n_positions == 64
+
+    async def clients(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            bodies = [{"prompt": p, "max_tokens": 8, "temperature": 0} for p in PROMPTS[:6]]
+            return await asyncio.gather(*(stream_one(client, b) for b in bodies))
+
+    with BackgroundServer(create_app(lambda: scheduler, config)) as url:
+        results = asyncio.run(clients(url))  # 6 concurrent clients: batches of at most 2 rows, all answered
+        too_many = post(url, {"prompt": "a", "n": 3, "max_tokens": 4})
+        too_long = post(url, {"prompt": "a", "max_tokens": 64})
+    for i, events in enumerate(results):
+        assert joined(events)[0] == alone(gen, PROMPTS[i], 8), f"client {i}"
+    assert too_many.status_code == 400 and "at most 2 per request (its static graph's batch)" in too_many.text
+    assert too_long.status_code == 400 and "64 positions" in too_long.json()["error"]["message"]

@@ -1,0 +1,84 @@
+"""Bad input for the sparse head: folders it does not support, options out of range, and a tampered table, each
+one `error:` line and exit 1 before any work (or, loading, a typed error)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from gpt2edge.cli import main
+from gpt2edge.errors import ChecksumError, ModelFolderError
+from gpt2edge.runtime.generator import Generator
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def one_error_line(r, match: str) -> None:
+    assert r.exit_code == 1, r.output
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and match in lines[0], r.output
+    assert "Traceback" not in r.output
+
+
+@pytest.fixture(scope="module")
+def sparse_folder(tiny_export, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp") / "tiny-sparse"
+    r = cli("sparse-head", tiny_export, "-o", out, "--rank", 8)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.mark.parametrize("rank", ["0", "64", "-3", "x"])
+def test_rank_out_of_range(tiny_export, tmp_path, rank):
+    r = cli("sparse-head", tiny_export, "-o", tmp_path / "o", "--rank", rank)
+    assert r.exit_code != 0 and not (tmp_path / "o").exists()
+    assert "Traceback" not in r.output and "rank" in r.output.lower()
+
+
+def test_unsupported_folders(tiny_export_all, tiny_checkpoint, sparse_folder, tmp_path):
+    one_error_line(cli("sparse-head", tiny_export_all, "-o", tmp_path / "a"), "--head all")
+    one_error_line(cli("sparse-head", sparse_folder, "-o", tmp_path / "b"), "already has a sparse head")
+    static = tmp_path / "static"
+    assert cli("export", "-m", tiny_checkpoint, static, "--static", "1x4x32", "--no-validate").exit_code == 0
+    one_error_line(cli("sparse-head", static, "-o", tmp_path / "c"), "static-shape")
+    one_error_line(cli("sparse-head", tmp_path / "missing", "-o", tmp_path / "d"), "does not exist")
+    assert not any((tmp_path / n).exists() for n in "abcd")
+
+
+def test_trimmed_and_fp16_refused(tiny_export, tmp_path):
+    keep = tmp_path / "keep.json"
+    keep.write_text(json.dumps(list(range(300))))
+    assert cli("trim-vocab", tiny_export, "-o", tmp_path / "t", "--keep-ids", keep, "--no-report").exit_code == 0
+    one_error_line(cli("sparse-head", tmp_path / "t", "-o", tmp_path / "a"), "vocabulary-trimmed")
+    assert cli("quantize", tiny_export, "-o", tmp_path / "h", "--mode", "fp16", "--no-report").exit_code == 0
+    one_error_line(cli("sparse-head", tmp_path / "h", "-o", tmp_path / "b"), "fp16")
+
+
+def test_tampered_table_caught(sparse_folder, tmp_path):
+    """An edited bound table fails its checksum on open; loaded without verification, the load-time check
+    that the bounds hold is what refuses it (a bound too small would certify a wrong token)."""
+    bad = tmp_path / "bad"
+    shutil.copytree(sparse_folder, bad)
+    import onnx
+    from onnx import numpy_helper
+
+    bound = onnx.load(str(bad / "bound.onnx"))
+    for i, init in enumerate(bound.graph.initializer):
+        if init.name == "bound_table":  # its eps row (per-row error bounds) 100x too small: certifies wrong tokens
+            table = numpy_helper.to_array(init).copy()
+            table[-2] /= 100
+            bound.graph.initializer[i].CopyFrom(numpy_helper.from_array(table, init.name))
+    onnx.save(bound, str(bad / "bound.onnx"))
+    with pytest.raises(ChecksumError, match="checksum"):
+        Generator(bad)
+    one_error_line(cli("generate", bad, "-p", "Hi", "-n", "2"), "checksum")
+    with pytest.raises(ModelFolderError, match="does not bound"):
+        Generator(bad, verify=False)
+    (bad / "sparse_head.npz").write_bytes(b"not a zip")
+    with pytest.raises(ModelFolderError, match="cannot be read"):
+        Generator(bad, verify=False)
