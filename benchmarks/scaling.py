@@ -109,8 +109,13 @@ def main() -> None:
             with open(LOCK, "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # flock(2): the lock `flock /tmp/bench.lock` takes
                 b0, w0 = busy_ticks(), time.monotonic()
-                g = gpt2edge_bench(folder, args.threads, args.repeat)
-                ll = llama_bench(gguf, args.llama_bench, args.threads, args.llama_reps)
+                try:
+                    g = gpt2edge_bench(folder, args.threads, args.repeat)
+                    ll = llama_bench(gguf, args.llama_bench, args.threads, args.llama_reps)
+                except subprocess.CalledProcessError as e:  # one failed cell is reported, the run goes on
+                    tail = (e.stderr or "").strip().splitlines()[-1:]
+                    print(f"round {rnd} {size} {prec}: failed ({' '.join(e.cmd[:2])}): {tail}", file=sys.stderr)
+                    continue
                 # CPUs busy per wall second, ours included (2 = our threads alone on 2 cores)
                 busy = (busy_ticks() - b0) / TICKS / (time.monotonic() - w0)
             rec = {"round": rnd, "size": size, "precision": prec, "gpt2edge": g, "llama": ll, "s": time.time() - t0,
