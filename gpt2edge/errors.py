@@ -73,3 +73,7 @@ class ArgumentTypeError(Gpt2EdgeError, TypeError):
 class SparseHeadError(Gpt2EdgeError):
     """A sparse-head request that cannot be honoured (`gpt2edge sparse-head`): a folder kind or option it does
     not support, or a bound table that does not match its folder."""
+
+
+class ResourceError(Gpt2EdgeError):
+    """The machine has less memory or disk than a request is estimated to need (checked before any work)."""

@@ -142,6 +142,10 @@ def check_io(graph: Fields, key: str) -> None:
                 t.fail(f"shape[{j}]", "a size >= 0 or an axis name", dim)
 
 
+# quantization.recipe.target: the CPU a variant was tuned for (`quantize --target`); it runs on any CPU
+QUANTIZE_TARGETS = ("avx2", "avx512-vnni", "amx", "generic")
+
+
 def check_records(top: Fields) -> None:
     """The records nothing reads typed but some code reads raw: bench --vs-torch takes the source model from
     'source', refusals name the parent of a quantized, converted or trimmed folder."""
@@ -159,3 +163,6 @@ def check_records(top: Fields) -> None:
         parent = rec.record("parent", None) if rec is not None else None
         if parent is not None:
             parent.text("path", None, max_len=PATH_MAX)
+        recipe = rec.record("recipe", None) if key == "quantization" and rec is not None else None
+        if recipe is not None:
+            recipe.text("target", None, choices=QUANTIZE_TARGETS, nullable=True)  # absent before --target

@@ -77,6 +77,7 @@ def library_choices() -> dict[tuple[str, str], tuple]:
     from gpt2edge.prompt_input import FORMATS as PROMPT_FORMATS
     from gpt2edge.quantize.handler import ACCURACY_LEVELS, HEAD_BITS, MODES
     from gpt2edge.quantize.primitives import BLOCK_SIZES
+    from gpt2edge.quantize.targets import TARGET_CHOICES
     from gpt2edge.runtime.decoding.beam import EARLY_STOPPING_NAMES
     from gpt2edge.runtime.model.ort_session import PROVIDERS
     from gpt2edge.runtime.score import METHODS
@@ -91,6 +92,7 @@ def library_choices() -> dict[tuple[str, str], tuple]:
         ("quantize", "block_size"): BLOCK_SIZES,
         ("quantize", "accuracy_level"): ACCURACY_LEVELS,
         ("quantize", "head_bits"): HEAD_BITS,
+        ("quantize", "target"): TARGET_CHOICES,
         ("convert", "fmt"): FORMATS,
         ("generate", "file_format"): PROMPT_FORMATS,
         ("generate", "early_stopping"): EARLY_STOPPING_NAMES,

@@ -123,7 +123,7 @@ def test_interrupt_leaves_nothing(tmp_path, tiny_checkpoint, monkeypatch):
         raise KeyboardInterrupt
 
     # the module, not the function the package re-exports under the same name
-    monkeypatch.setattr(importlib.import_module("gpt2edge.export.validate"), "validate", interrupted)
+    monkeypatch.setattr(importlib.import_module("gpt2edge.export.validate"), "validate_against", interrupted)
     with pytest.raises(KeyboardInterrupt):
         exporter.export_model(str(tiny_checkpoint), tmp_path / "out")
     assert not (tmp_path / "out").exists()

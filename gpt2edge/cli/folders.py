@@ -16,6 +16,7 @@ from gpt2edge.manifest_records import HEAD_MODES, KV_CACHE_MODES
 from gpt2edge.prompt_input import read_text_file
 from gpt2edge.quantize.handler import ACCURACY_LEVELS, HEAD_BITS, MODES
 from gpt2edge.quantize.primitives import BLOCK_SIZES
+from gpt2edge.quantize.targets import TARGET_CHOICES
 from gpt2edge.report_text import choose_report_text
 
 
@@ -116,7 +117,7 @@ def export(
     type=click.Choice(tuple(SIZES)),
     default="tiny",
     show_default=True,
-    help="tiny/mini for tests and demos; small is the real 124M GPT-2 shape.",
+    help="tiny/mini for tests and demos; small, medium, large, xl are the official GPT-2 shapes (124M..1.5B).",
 )
 @click.option("-s", "--seed", type=SEEDS, default=0, show_default=True, help="Seed of the random weights.")
 @click.option(
@@ -143,13 +144,13 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
     "--block-size",
     type=click.Choice(BLOCK_SIZES),
     default=None,
-    help="Weights per scale along K [default: int8 128, int4 256, each shrunk to divide every row].",
+    help="Weights per scale along K [default: the --target's, e.g. int8 128, int4 256, shrunk to divide every row].",
 )
 @click.option(
     "--accuracy-level",
     type=click.Choice(ACCURACY_LEVELS),
     default=None,
-    help="MatMulNBits compute type: 0 float, 4 int8 activations [default: 4, fastest on CPU].",
+    help="MatMulNBits compute type: 0 float, 4 int8 activations [default: the --target's; 4 on x86].",
 )
 @click.option(
     "--head-bits", type=click.Choice(HEAD_BITS), default=None, help="Bits of the tied embedding/LM head [default: 8]."
@@ -158,7 +159,7 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
 @click.option(
     "--symmetric/--asymmetric",
     default=None,
-    help="Codes without / with zero points [default: asymmetric].",
+    help="Codes without / with zero points [default: the --target's; asymmetric, avx2: symmetric int4].",
 )
 @click.option(
     "--text",
@@ -167,6 +168,14 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
     default=None,
     help="Text file for the quality report, 2 tokens or more; recorded in the new folder for later reports "
     "[default: the text MODEL_DIR records, else a built-in English sample].",
+)
+@click.option(
+    "--target",
+    type=click.Choice(TARGET_CHOICES),
+    default="native",
+    show_default=True,
+    help="CPU whose recipe sets the defaults above; native: this machine's, found by running each instruction "
+    "set (not from its flags). Any folder runs on any CPU.",
 )
 @click.option("--no-report", is_flag=True, help="Skip the quality report.")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
@@ -184,6 +193,7 @@ def quantize(
     keep_head_fp32,
     symmetric,
     text_file,
+    target,
     no_report,
     force,
     as_json,
@@ -194,7 +204,7 @@ def quantize(
     from gpt2edge.quantize import make_recipe, quantize_model
 
     require_extra("quantize", "quantize")
-    recipe = make_recipe(mode, block_size, accuracy_level, head_bits, keep_head_fp32, symmetric)
+    recipe = make_recipe(mode, block_size, accuracy_level, head_bits, keep_head_fp32, symmetric, target=target)
     chosen = choose_report_text(text_file, [model_dir])
     log = report_stream(as_json)
     manifest = quantize_model(

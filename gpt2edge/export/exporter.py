@@ -31,9 +31,10 @@ from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder_checks import check_output_dir
 from gpt2edge.manifest import write_manifest
 from gpt2edge.manifest_records import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, STATIC_KV_CACHE
-from gpt2edge.onnx_stats import decode_weight_bytes
+from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD, decode_weight_bytes
 from gpt2edge.progress import Progress
 from gpt2edge.report_text import record_text
+from gpt2edge.resources import check_need, checkpoint_weight_bytes, export_need
 
 if TYPE_CHECKING:
     from gpt2edge.export.validate import Check
@@ -105,11 +106,21 @@ def export_model(
     sources = [source, tokenizer]  # local ones must not overlap OUT (a hub id matches no path)
     check_output_dir(out, force, sources)
     resolved = resolve_source(source, revision)  # a missing folder, an export folder, an offline hub id: refused now
+    if resolved.kind == "local":  # memory and disk it will take, from config.json: refused now if they do not fit
+        weight_bytes = checkpoint_weight_bytes(Path(resolved.location))
+        if weight_bytes is not None:
+            check_need(export_need(weight_bytes, run_validation, EXTERNAL_DATA_THRESHOLD), out)
 
     # the heavy imports (torch, transformers, onnx), once the request is known to be good
     from gpt2edge.export.model import from_hf_model
-    from gpt2edge.export.onnx_graph import export_graph
-    from gpt2edge.export.validate import checks_to_json, print_checks, raise_on_failure, validate
+    from gpt2edge.export.onnx_graph import export_graph, inline_small
+    from gpt2edge.export.validate import (
+        checks_to_json,
+        print_checks,
+        raise_on_failure,
+        reference_outputs,
+        validate_against,
+    )
 
     checks: list[Check] = []
     # a progress bar on a terminal, periodic lines otherwise; it closes and clears itself on any error
@@ -138,10 +149,20 @@ def export_model(
                 record_text(tmp, report_text)
             steps.update()
 
+            dims = {**asdict(model.dims), "head_dim": model.dims.head_dim}
+            if shape is None:
+                # PyTorch's answers first, then the torch model is freed before ONNX Runtime loads the graph:
+                # the two never hold the weights at once (peak ~1x the weights, not 2x)
+                reference = reference_outputs(ckpt.model) if run_validation else None
+                graph = _dynamic_graph(model, tmp, opset)
+                del model
+                ckpt = release_model(ckpt)
+            else:
+                graph = _static_graph(model, tmp, graph_files, opset, shape)
             if run_validation:
                 steps.set_postfix_str("validating against PyTorch")
                 if shape is None:
-                    checks = validate(tmp / MODEL_FILE, ckpt.model, head=head, atol=atol, kv_cache=kv_cache)
+                    checks = validate_against(tmp / MODEL_FILE, reference, head=head, atol=atol, kv_cache=kv_cache)
                 else:
                     from gpt2edge.export.static_validate import validate_static
 
@@ -154,6 +175,10 @@ def export_model(
                     print_checks(checks, file=log)
                     log.flush()  # before an error line on the other stream
                 raise_on_failure(checks)
+            if shape is None:
+                # validated in its external-data form (ONNX Runtime reads it tensor by tensor, no parsed copy of a
+                # 1.4 GB message next to the weights), then a graph under 2 GB becomes one file, streamed
+                graph["files"] = inline_small(tmp / MODEL_FILE)
 
             manifest = write_manifest(
                 tmp,
@@ -161,12 +186,8 @@ def export_model(
                     "gpt2edge_version": gpt2edge.__version__,
                     "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "source": ckpt.source,
-                    "dims": {**asdict(model.dims), "head_dim": model.dims.head_dim},
-                    "graph": (
-                        _dynamic_graph(model, tmp, graph_files, opset)
-                        if shape is None
-                        else _static_graph(model, tmp, graph_files, opset, shape)
-                    ),
+                    "dims": dims,
+                    "graph": graph,
                     "tokenizer": TOKENIZER_FILE,
                     "versions": library_versions(),
                     "validation": {"atol": atol, "checks": checks_to_json(checks)} if run_validation else None,
@@ -176,13 +197,23 @@ def export_model(
     return ExportResult(path=out, manifest=manifest, checks=checks)
 
 
-def _dynamic_graph(model, tmp: Path, files: list[str], opset: int) -> dict[str, Any]:
+def release_model(ckpt):
+    """The checkpoint without its torch model, the memory returned: tokenizer and configs stay."""
+    import gc
+    from dataclasses import replace
+
+    ckpt = replace(ckpt, model=None)
+    gc.collect()  # the exporter's program and graph hold the weights through reference cycles
+    return ckpt
+
+
+def _dynamic_graph(model, tmp: Path, opset: int) -> dict[str, Any]:
     """The manifest's graph record of the one dynamic-shape graph."""
     from gpt2edge.export.onnx_graph import io_spec
 
     return {
         "file": MODEL_FILE,
-        "files": files,
+        "files": [MODEL_FILE],  # set once the graph's final form is written (inline_small)
         "opset": opset,
         "head": model.head,
         "kv_cache": model.kv_cache,

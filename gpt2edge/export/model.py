@@ -234,7 +234,10 @@ def from_hf_model(hf_model, head: str = "last", kv_cache: str = "concat") -> Exp
     head_w = sd.get("lm_head.weight")
     wte = sd["transformer.wte.weight"]
     tied = head_w is None or head_w.data_ptr() == wte.data_ptr() or torch.equal(head_w, wte)
-    model = ExportableGPT2(dims, head=head, tied_head=tied, kv_cache=kv_cache)
+    # built on the meta device and given the checkpoint's own tensors (assign=True): the export holds one copy
+    # of the weights, not two (gpt2-xl: 6.2 GB instead of 12.4)
+    with torch.device("meta"):
+        model = ExportableGPT2(dims, head=head, tied_head=tied, kv_cache=kv_cache)
     ours = model.state_dict()
     mapped = {k.removeprefix("transformer."): v for k, v in sd.items() if k.startswith("transformer.")}
     # HF keeps non-parameter buffers in some checkpoints (causal mask tables); they carry no weights
@@ -252,5 +255,6 @@ def from_hf_model(hf_model, head: str = "last", kv_cache: str = "concat") -> Exp
             raise CheckpointError(
                 f"Weight {k} has shape {tuple(v.shape)} but the config implies {tuple(ours[k].shape)}."
             )
-    model.load_state_dict({k: v.float() for k, v in mapped.items()}, strict=True)
+    # .float() is the tensor itself when it is float32 already (shared); a half checkpoint is widened here
+    model.load_state_dict({k: v.float() for k, v in mapped.items()}, strict=True, assign=True)
     return model.eval()

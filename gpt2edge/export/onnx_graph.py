@@ -81,8 +81,6 @@ def export_graph(model: ExportableGPT2, path: Path, opset: int = DEFAULT_OPSET) 
     # forward(ids, mask, positions, *past): the tail head's logits_to_keep is the last of *past
     rest = [{0: "keep"} if n == KEEP_INPUT else past_axes for n in inputs[3:]]
     dynamic_shapes = (seq_axes, {0: "batch", 1: "total_seq"}, seq_axes, tuple(rest))
-    n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    external = n_bytes > EXTERNAL_DATA_THRESHOLD
     path = Path(path)
     try:
         # the exporter reports progress with print(); keep stdout clean for --json callers
@@ -103,7 +101,10 @@ def export_graph(model: ExportableGPT2, path: Path, opset: int = DEFAULT_OPSET) 
                 custom_translation_table=translation,
                 verbose=False,
             )
-            program.save(str(path), external_data=external)
+            # always external data first: the exporter then writes tensor by tensor (a single file would hold the
+            # weights twice more, as a message and as its bytes); small graphs are made one file by inline_small
+            program.save(str(path), external_data=True)
+            _drop_weights(program)
     except ExportError:
         raise
     except OSError as e:
@@ -112,8 +113,42 @@ def export_graph(model: ExportableGPT2, path: Path, opset: int = DEFAULT_OPSET) 
         raise ExportError(f"Tracing the model to ONNX failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     except Exception as e:  # the exporter raises many types; name the step that failed
         raise ExportError(f"Tracing the model to ONNX failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
-    files = [path.name]
-    data = path.parent / (path.name + ".data")
-    if data.exists():
-        files.append(data.name)
-    return files
+    return graph_files_of(path)
+
+
+def _drop_weights(program) -> None:
+    """Let go of the program's references to the torch weights: torch keeps parts of an exported program alive
+    after export (its graph nodes stay referenced), and with them every parameter; dropping them here lets the
+    caller free the model before ONNX Runtime loads the graph."""
+    for value in program.model.graph.initializers.values():
+        value.const_value = None
+    exported = getattr(program, "exported_program", None)
+    if exported is not None:
+        exported.state_dict.clear()
+        exported.constants.clear()
+
+
+def graph_files_of(path: Path) -> list[str]:
+    """The graph file and, when its weights are outside, every external data file it names."""
+    from gpt2edge.onnx_stream import external_locations, load_graph
+
+    return [path.name, *external_locations(load_graph(path))]
+
+
+def inline_small(path: Path) -> list[str]:
+    """Make a graph whose external data fits in one protobuf a single self-contained file, streamed tensor by
+    tensor (no second copy of the weights); a larger one is left as it is. Returns the graph's files."""
+    from gpt2edge.onnx_stream import external_locations, load_graph, passthrough, save_streaming
+
+    path = Path(path)
+    model = load_graph(path)
+    locations = external_locations(model)
+    data_bytes = sum((path.parent / f).stat().st_size for f in locations)
+    if not locations or data_bytes > EXTERNAL_DATA_THRESHOLD:  # read at call time: tests lower it
+        return [path.name, *locations]
+    tmp = path.with_name(path.name + ".inline")
+    save_streaming(model, tmp, passthrough(path.parent), external=False)
+    os.replace(tmp, path)
+    for f in locations:
+        (path.parent / f).unlink()
+    return [path.name]

@@ -12,6 +12,7 @@ from gpt2edge.api_args import path_arg
 from gpt2edge.errors import CheckpointError
 from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder_checks import is_checkpoint_folder
+from gpt2edge.resources import check_need, checkpoint_need, n_parameters
 from gpt2edge.sample_text import SAMPLE_TEXT
 
 EOS = "<|endoftext|>"
@@ -22,6 +23,10 @@ SIZES = {
     "tiny": dict(n_layer=2, n_head=4, n_embd=64, n_positions=128, initializer_range=0.2),
     "mini": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256, initializer_range=0.2),
     "small": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257),
+    # the other official shapes (gpt2-medium, -large, -xl): 355M, 774M and 1.5B parameters
+    "medium": dict(n_layer=24, n_head=16, n_embd=1024, n_positions=1024, vocab_size=50257),
+    "large": dict(n_layer=36, n_head=20, n_embd=1280, n_positions=1024, vocab_size=50257),
+    "xl": dict(n_layer=48, n_head=25, n_embd=1600, n_positions=1024, vocab_size=50257),
 }
 
 
@@ -55,6 +60,7 @@ def make_random_checkpoint(
         raise CheckpointError(f"The tokenizer has no {EOS} token; use a GPT-2 byte-level BPE tokenizer.")
     shape = dict(SIZES[size])
     vocab_size = max(len(tokenizer), shape.pop("vocab_size", 0))
+    check_need(checkpoint_need(4 * n_parameters({**shape, "vocab_size": vocab_size})), Path(out))
     config = GPT2Config(vocab_size=vocab_size, bos_token_id=eos_id, eos_token_id=eos_id, **shape)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).eval()

@@ -64,22 +64,71 @@ def fixed_inputs(vocab_size: int, n_positions: int, seed: int = 0):
     return ids, mask, nxt
 
 
+@dataclass
+class Reference:
+    """PyTorch's outputs on the fixed cases, as NumPy: computed before ONNX Runtime loads the graph, so the torch
+    model can be freed first and validation never holds two full copies of the weights."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    nxt: np.ndarray
+    prefill: tuple[np.ndarray, list[np.ndarray]]  # logprobs (B, S, V), presents (B, nh, S, hs) each
+    decode: tuple[np.ndarray, list[np.ndarray]]  # logprobs (B, 1, V), presents (B, nh, S + 1, hs) each
+    n_layer: int
+    n_head: int
+    head_dim: int
+
+
+def reference_outputs(hf_model) -> Reference:
+    """Run PyTorch on the two cases (prefill of a left-padded batch, then one decode step on its past)."""
+    import torch
+
+    cfg = hf_model.config
+    ids, mask, nxt = fixed_inputs(cfg.vocab_size, cfg.n_positions)
+    S = ids.shape[1]
+    pos = position_ids_from_mask(mask, S)
+    lp1, pres1 = hf_step(hf_model, *map(torch.from_numpy, (ids, mask, pos)), None)
+    mask2 = np.concatenate([mask, np.ones((ids.shape[0], 1), np.int64)], axis=1)
+    pos2 = position_ids_from_mask(mask2, 1)
+    lp2, pres2 = hf_step(hf_model, *map(torch.from_numpy, (nxt, mask2, pos2)), list(pres1))
+    return Reference(
+        ids,
+        mask,
+        nxt,
+        (lp1.numpy(), [p.numpy().copy() for p in pres1]),
+        (lp2.numpy(), [p.numpy().copy() for p in pres2]),
+        cfg.n_layer,
+        cfg.n_head,
+        cfg.n_embd // cfg.n_head,
+    )
+
+
 def validate(
     onnx_path: Path, hf_model, head: str = "last", atol: float = DEFAULT_ATOL, log=None, kv_cache: str = "concat"
 ) -> list[Check]:
-    """Run ORT and PyTorch side by side; returns every check (raise_on_failure turns them into an error).
+    """Run ORT and PyTorch side by side; returns every check (raise_on_failure turns them into an error)."""
+    return validate_against(onnx_path, reference_outputs(hf_model), head, atol, log, kv_cache)
+
+
+def validate_against(
+    onnx_path: Path, ref: Reference, head: str = "last", atol: float = DEFAULT_ATOL, log=None, kv_cache: str = "concat"
+) -> list[Check]:
+    """Run ORT on the cases of `ref` and compare; returns every check.
 
     A shared-cache graph gets the same cases; at decode its past is PyTorch's cache placed at the start of a
     larger zeroed buffer, and the valid slots of the buffer it returns are compared with PyTorch's cache."""
     import onnxruntime as ort
-    import torch
 
-    cfg = hf_model.config
-    L, H, D = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
-    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    L, H, D = ref.n_layer, ref.n_head, ref.head_dim
+    opts = ort.SessionOptions()
+    # no arena: the activations of two small cases would otherwise stay reserved next to the weights
+    opts.enable_cpu_mem_arena = False
+    # no prepacked copies of the matrices (fp32 MatMul keeps both, ~1.7x the weights): two small cases gain nothing
+    opts.add_session_config_entry("session.disable_prepacking", "1")
+    sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
     in_names = [i.name for i in sess.get_inputs()]
     out_names = [o.name for o in sess.get_outputs()]
-    ids, mask, nxt = fixed_inputs(cfg.vocab_size, cfg.n_positions)
+    ids, mask, nxt = ref.ids, ref.mask, ref.nxt
     B, S = ids.shape
     checks: list[Check] = []
 
@@ -95,36 +144,33 @@ def validate(
         T = step_mask.shape[1]
         got = ort_out[0]
         if head == "last":
-            diff = np.abs(got - ref_logprobs[:, -1].numpy()).max()
+            diff = np.abs(got - ref_logprobs[:, -1]).max()
         else:
-            diff = np.abs(got - ref_logprobs.numpy())[real].max()
+            diff = np.abs(got - ref_logprobs)[real].max()
         checks.append(Check(case, "logprobs", float(diff), atol))
         keep = step_mask.astype(bool)  # (B, T): cache slots that hold real tokens
         worst = 0.0
-        for o, ref in zip(ort_out[1:], ref_presents):
+        for o, r in zip(ort_out[1:], ref_presents):
             # a shared-cache graph returns its whole buffer: compare the slots filled so far
-            d = np.abs(o[:, :, :T] - ref.numpy()).transpose(0, 2, 1, 3)[keep]  # (n_real, nh, hs)
+            d = np.abs(o[:, :, :T] - r).transpose(0, 2, 1, 3)[keep]  # (n_real, nh, hs)
             worst = max(worst, float(d.max()))
         checks.append(Check(case, f"present.* ({2 * L} tensors)", worst, atol))
 
     # case 1: prefill, empty past, left-padded batch of 2
     pos = position_ids_from_mask(mask, S)
     empty = [np.zeros((B, H, 0, D), np.float32) for _ in range(2 * L)]
-    feed = feed_of([ids, mask, pos, *empty], S)
-    ort_out = sess.run(out_names, feed)
-    ref_lp, ref_present = hf_step(hf_model, *map(torch.from_numpy, (ids, mask, pos)), None)
-    compare("prefill, left-padded batch of 2, empty past", ort_out, ref_lp, ref_present, mask, S)
+    ort_out = sess.run(out_names, feed_of([ids, mask, pos, *empty], S))
+    compare("prefill, left-padded batch of 2, empty past", ort_out, *ref.prefill, mask, S)
 
     # case 2: decode one token per row on PyTorch's past
     mask2 = np.concatenate([mask, np.ones((B, 1), np.int64)], axis=1)
     pos2 = position_ids_from_mask(mask2, 1)
-    past = [p.numpy() for p in ref_present]
+    past = ref.prefill[1]
     if kv_cache == "shared":  # a buffer with spare slots, as the runtime allocates it
         spare = 3
         past = [np.concatenate([p, np.zeros((B, H, spare, D), np.float32)], axis=2) for p in past]
     ort_out = sess.run(out_names, feed_of([nxt, mask2, pos2, *past], 1))
-    ref_lp, ref_present = hf_step(hf_model, *map(torch.from_numpy, (nxt, mask2, pos2)), list(ref_present))
-    compare("decode 1 token with past", ort_out, ref_lp, ref_present, mask2, 1)
+    compare("decode 1 token with past", ort_out, *ref.decode, mask2, 1)
 
     if log is not None:
         print_checks(checks, log)

@@ -17,19 +17,27 @@ def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
     return {o: n for n in graph.node for o in n.output}
 
 
-def save_model(model: onnx.ModelProto, path: Path) -> list[str]:
-    """Write `model` to `path`, weights in `<name>.data` when over 2 GB; returns the file names written."""
+def payload_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the weights a model will write: external lengths and inline raw data, from the descriptions."""
+    from gpt2edge.onnx_stream import _external_info
+
+    total = 0
+    for init in model.graph.initializer:
+        info = _external_info(init)
+        total += int(info.get("length", 0)) if info is not None else len(init.raw_data)
+    return total
+
+
+def save_model(model: onnx.ModelProto, path: Path, base_dir: Path | None = None) -> list[str]:
+    """Write `model` to `path`, weights in `<name>.data` when over 2 GB; returns the file names written.
+
+    Streamed tensor by tensor (gpt2edge.onnx_stream): initializers still stored outside are read from
+    `base_dir` (the parent's graph folder) one at a time; the message is never serialized with its weights."""
+    from gpt2edge.onnx_stream import passthrough, save_streaming
+
     path = Path(path)
-    try:
-        external = model.ByteSize() > EXTERNAL_DATA_THRESHOLD
-    except Exception:  # ByteSize itself fails on messages over 2 GiB
-        external = True
-    if external:
-        data = path.name + ".data"
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data)
-        return [path.name, data]
-    onnx.save_model(model, str(path))
-    return [path.name]
+    external = payload_bytes(model) > EXTERNAL_DATA_THRESHOLD  # read at call time: tests lower it
+    return save_streaming(model, path, passthrough(Path(base_dir or path.parent)), external=external)
 
 
 def write_variant(model: onnx.ModelProto, parent: Manifest, src: Path, tmp: Path) -> list[str]:
@@ -37,7 +45,8 @@ def write_variant(model: onnx.ModelProto, parent: Manifest, src: Path, tmp: Path
     (tokenizer, configs) copied unchanged. Returns the graph files written, relative to the folder."""
     graph_dir = PurePosixPath(parent.graph.file).parent  # "." unless the parent keeps its graph in a subfolder
     (tmp / graph_dir).mkdir(parents=True, exist_ok=True)
-    files = [(graph_dir / f).as_posix() for f in save_model(model, tmp / parent.graph.file)]
+    base = resolve_inside(src, parent.graph.file).parent  # where the parent's external data is read from
+    files = [(graph_dir / f).as_posix() for f in save_model(model, tmp / parent.graph.file, base_dir=base)]
     for name in parent.files:
         if name not in parent.graph.files:
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)

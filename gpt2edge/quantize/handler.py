@@ -7,7 +7,6 @@ and configs, measures the quality report against the parent, and writes the mani
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -21,131 +20,20 @@ from gpt2edge.folder_checks import check_output_dir, check_sources
 from gpt2edge.manifest import graph_files, load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.onnx_stats import decode_weight_bytes
 from gpt2edge.progress import Progress
+from gpt2edge.quantize.recipe import (  # noqa: F401  (re-exported: the CLI and tests read them here)
+    ACCURACY_LEVELS,
+    DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_SYMMETRIC,
+    HEAD8_BLOCK_SIZE,
+    HEAD_BITS,
+    MODES,
+    WIDTH,
+    Recipe,
+    make_recipe,
+)
 from gpt2edge.report_text import BUILT_IN, record_text
-
-# bits of the widest tensor each precision stores; a variant can only be made from a wider parent
-WIDTH = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
-MODES = ("fp16", "int8", "int4")
-# Block sizes and zero points chosen by measurement on a 2-core AMD Zen 4 (AVX-512 VNNI), GPT-2 small shape
-# (benchmarks/README.md, "int4 against llama.cpp Q4_0"): ONNX Runtime's int8-activation kernels are partly
-# compute-bound, the per-block work costs more than the bytes saved by small blocks. int4 at block 256 decodes
-# faster than at 32 (the layers' matmuls 1.95 vs 2.83 ms a step) and its 128-token prefill matmuls run faster
-# than int8's (55 vs 58 ms; block 32: 86 ms); zero points cost nothing there and lower the error.
-DEFAULT_BLOCK_SIZE = {"int8": 128, "int4": 256}
-# the tied head at 8 bits: int8 uses its own block; int4's at 256 (~0.2 ms a step less than at 128)
-HEAD8_BLOCK_SIZE = {"int8": 128, "int4": 256}
-# MatMulNBits' compute types: 0 as the input (float), 1 fp32, 2 fp16, 3 bf16, 4 int8 activations;
-# 4 is ~2x faster than the float path (levels 0/1) here, and ~40x on AVX2 without VNNI
-ACCURACY_LEVELS = (0, 1, 2, 3, 4)
-DEFAULT_ACCURACY_LEVEL = 4
-HEAD_BITS = (4, 8)
-# zero points (asymmetric) by default: at block 128/256 the kernels run as fast with them as without on
-# AVX-512 VNNI, and the error is lower; --symmetric drops them (llama.cpp Q4_0's form; on AVX2 without VNNI
-# the 4-bit kernel ran ~20 % faster without them)
-DEFAULT_SYMMETRIC = {"int8": False, "int4": False}
-
-
-@dataclass
-class Recipe:
-    mode: str
-    block_size: int | None = None
-    accuracy_level: int = DEFAULT_ACCURACY_LEVEL
-    head_bits: int | None = None  # None: head/embedding stay fp32
-    symmetric: bool = False  # no zero points: code * scale (every table, the head's too)
-    head_block: int | None = None  # the tied table's block once fitted to n_embd (None: the asked one)
-    position_block: int | None = None  # the position table's block once fitted to n_embd
-    block_defaulted: bool = False  # block_size is the mode's default, not asked for: fitted() may shrink it
-
-    @property
-    def weight_bits(self) -> int | None:
-        """Bits of the weight matrices (int8 / int4); None for fp16."""
-        return {"int8": 8, "int4": 4}.get(self.mode)
-
-    @property
-    def head_block_size(self) -> int | None:
-        """An 8-bit head uses its mode's head block (scales cost 4 bytes per block); a 4-bit head the main one;
-        fitted, the largest power of two up to that which divides n_embd."""
-        if self.head_bits is None:
-            return None
-        if self.head_block is not None:
-            return self.head_block
-        return HEAD8_BLOCK_SIZE[self.mode] if self.head_bits == 8 else self.block_size
-
-    def fitted(self, n_embd: int, n_inner: int | None = None) -> Recipe:
-        """The recipe as the graph will hold it: an embedding table's rows are dequantized whole, so its block
-        is the largest power of two up to the asked one that divides n_embd; a width none of 16..256 divides is
-        refused here, before any work. A default block_size shrinks likewise to divide every matrix's rows
-        (n_embd and n_inner), so no block is padded (gpt2-xl's 1600: 64, not 256 with 12 % padding); one the
-        user asked for is kept (rows are padded to whole blocks)."""
-        from gpt2edge.quantize.primitives import BLOCK_SIZES, POSITION_BLOCK_SIZE, embedding_block_size
-
-        if self.mode == "fp16":
-            return self
-        fit = self
-        if self.block_defaulted:
-            rows = [n_embd, n_inner or 4 * n_embd]
-            block = min([self.block_size, *(k & -k for k in rows)])  # the largest power of two dividing each
-            if block >= BLOCK_SIZES[0]:
-                fit = replace(self, block_size=block)
-        head = None if fit.head_bits is None else embedding_block_size(n_embd, fit.head_block_size)
-        return replace(fit, head_block=head, position_block=embedding_block_size(n_embd, POSITION_BLOCK_SIZE))
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"mode": self.mode}
-        if self.mode != "fp16":
-            out.update(
-                weight_bits=self.weight_bits,
-                block_size=self.block_size,
-                accuracy_level=self.accuracy_level,
-                head_bits=self.head_bits,
-                head_block_size=self.head_block_size,
-                position_table_bits=8,
-                position_table_block_size=self.position_block,
-                symmetric=self.symmetric,
-                op="com.microsoft.MatMulNBits",
-            )
-        else:
-            out.update(fp32_ops=["LayerNormalization", "Softmax", "LogSoftmax", "MLP GELU"], kv_dtype="float16")
-        return out
-
-
-def make_recipe(
-    mode: str,
-    block_size: int | None = None,
-    accuracy_level: int | None = None,
-    head_bits: int | None = None,
-    keep_head_fp32: bool = False,
-    symmetric: bool | None = None,
-) -> Recipe:
-    """Validate the options of a mode and fill in its defaults."""
-    from gpt2edge.quantize.primitives import check_block_size
-
-    if mode not in MODES:
-        raise QuantizeError(f"Unknown mode '{mode}'; choose one of {', '.join(MODES)}.")
-    if mode == "fp16":
-        if any(x is not None for x in (block_size, accuracy_level, head_bits, symmetric)) or keep_head_fp32:
-            raise QuantizeError(
-                "--block-size, --accuracy-level, --head-bits, --keep-head-fp32 and --symmetric/--asymmetric apply "
-                "to int8/int4, not fp16."
-            )
-        return Recipe("fp16")
-    block_defaulted = block_size is None
-    block_size = DEFAULT_BLOCK_SIZE[mode] if block_size is None else block_size
-    check_block_size(block_size)
-    if accuracy_level is None:
-        accuracy_level = DEFAULT_ACCURACY_LEVEL
-    if accuracy_level not in ACCURACY_LEVELS:
-        raise QuantizeError(f"--accuracy-level must be 0..4, got {accuracy_level}.")
-    if keep_head_fp32 and head_bits is not None:
-        raise QuantizeError("Give either --keep-head-fp32 or --head-bits, not both.")
-    if head_bits not in (None, *HEAD_BITS):
-        raise QuantizeError(f"--head-bits must be 4 or 8, got {head_bits}.")
-    if mode == "int8" and head_bits == 4:
-        raise QuantizeError("--head-bits 4 is for int4; an int8 model keeps its head at 8 bits or fp32.")
-    if symmetric is None:
-        symmetric = DEFAULT_SYMMETRIC[mode]
-    head_bits = None if keep_head_fp32 else (8 if head_bits is None else head_bits)
-    return Recipe(mode, block_size, accuracy_level, head_bits, symmetric, block_defaulted=block_defaulted)
+from gpt2edge.resources import check_need, quantize_need
 
 
 def quantize_model(
@@ -201,27 +89,33 @@ def quantize_model(
     check_output_dir(out, force, sources=[src])
     if report:
         check_report_text(src, text)  # an empty or one-token --text, refused before the work
+    parent_bytes = sum(parent["files"][f]["size"] for f in graph_files(parent))
+    check_need(quantize_need(parent_bytes, recipe.mode, report), out)  # before any work: memory and disk
     verify_files(src, info)
 
     with Progress(3 if report else 2, f"quantize {recipe.mode}", file=sys.stderr) as bar:  # periodic lines off a TTY
-        model = onnx.load(str(resolve_inside(src, info.graph.file)))
+        graph_path = resolve_inside(src, info.graph.file)
         if recipe.mode == "fp16":
             from gpt2edge.quantize.half import to_fp16
 
-            variant = to_fp16(model)
+            variant = to_fp16(onnx.load(str(graph_path)))  # ONNX Runtime's converter wants every weight loaded
         else:
+            from gpt2edge.onnx_stream import load_graph
             from gpt2edge.quantize.weight_only import quantize_weights
 
+            # streamed: the graph without its external data; each matrix is read when it is quantized
             variant = quantize_weights(
-                model,
+                load_graph(graph_path),
                 recipe.weight_bits,
                 recipe.block_size,
                 recipe.head_bits,
                 recipe.head_block_size or 0,
                 recipe.accuracy_level,
                 recipe.symmetric,
+                layer_op=recipe.int8_op,
+                base_dir=graph_path.parent,
+                in_place=True,
             )
-        del model
         bar.update()
         with atomic_output_dir(out, force=force, sources=[src]) as tmp:
             from gpt2edge.quantize.graph import write_variant
@@ -271,9 +165,19 @@ def _variant_manifest(parent: dict, src: Path, recipe: Recipe, files: list[str],
                 "precision": parent["graph"].get("precision", "fp32"),
                 "sha256": {f: parent["files"][f]["sha256"] for f in parent_files},
             },
+            "cpu": _cpu_record(recipe),
             "size_before": before,
             "size_after": after,
             "ratio": after / before,
         },
     )
     return manifest
+
+
+def _cpu_record(recipe: Recipe) -> dict[str, Any] | None:
+    """The quantizing machine's CPU as probed (flags, what it runs), when a target was chosen by or for it."""
+    if recipe.target is None:
+        return None
+    from gpt2edge.quantize.targets import detect
+
+    return detect().to_json()

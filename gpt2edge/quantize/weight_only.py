@@ -7,12 +7,15 @@ a few rows costs nothing next to the head's full read). The file holds the table
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from gpt2edge.errors import QuantizeError
 from gpt2edge.onnx_stats import reader_ops
+from gpt2edge.onnx_stream import tensor_array
 from gpt2edge.quantize.primitives import (
     POSITION_BLOCK_SIZE,
     BlockQuantized,
@@ -40,6 +43,19 @@ def matmulnbits_node(
     if accuracy_level:
         attrs["accuracy_level"] = accuracy_level
     node = helper.make_node("MatMulNBits", inputs, [out], name=name, domain=MS_DOMAIN, **attrs)
+    return [node], inits
+
+
+def dynamic_int8_node(name: str, a: str, prefix: str, w: np.ndarray, out: str) -> tuple[list, list]:
+    """y = a @ W as DynamicQuantizeMatMul: W (K, N) as int8 codes with one symmetric scale per column; the
+    activations are quantized to uint8 at run time (ONNX Runtime's u8s8 GEMM, which has AMX kernels)."""
+    scale = np.abs(w).max(axis=0) / 127.0  # (N,)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    codes = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)  # (K, N)
+    inits = [numpy_helper.from_array(codes, f"{prefix}.i8"), numpy_helper.from_array(scale, f"{prefix}.colscale")]
+    node = helper.make_node(
+        "DynamicQuantizeMatMul", [a, inits[0].name, inits[1].name], [out], name=name, domain=MS_DOMAIN
+    )
     return [node], inits
 
 
@@ -128,13 +144,28 @@ def quantize_weights(
     head_block_size: int,
     accuracy_level: int = 0,
     symmetric: bool = False,
+    layer_op: str = "MatMulNBits",
+    base_dir: Path | None = None,
+    in_place: bool = False,
 ) -> onnx.ModelProto:
     """Rewrite `model` (an fp32 gpt2edge export) and return the new model (the input is not modified):
     - every MatMul with a 2-D weight -> MatMulNBits at `bits` / `block_size`;
     - the head Gemm (tied embedding) -> MatMulNBits at `head_bits` / `head_block_size` (None: stays fp32),
       and the token-embedding Gather reads the same packed table;
-    - other embedding tables (positions) -> 8-bit rows dequantized in the graph."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    - other embedding tables (positions) -> 8-bit rows dequantized in the graph;
+    - layer_op "DynamicQuantizeMatMul" (8 bits only): the layers' MatMuls become per-column int8
+      DynamicQuantizeMatMul instead (the head and tables as above).
+
+    Streaming: `model` may be loaded without its external data (gpt2edge.onnx_stream.load_graph); each weight
+    is then read from `base_dir` when it is quantized, so only one fp32 matrix is in memory at a time, and the
+    fp32 tensors kept (LayerNorm, biases) stay external references for the writer to copy. `in_place`: rewrite
+    `model` itself instead of a copy (a copy of a loaded 1.4 GB graph is 1.4 GB more)."""
+    if not in_place:
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+
+    def array(init) -> np.ndarray:
+        return tensor_array(init, base_dir) if base_dir is not None else numpy_helper.to_array(init)
+
     g = model.graph
     inits = {i.name: i for i in g.initializer}
 
@@ -143,16 +174,27 @@ def quantize_weights(
     packed: dict[str, BlockQuantized] = {}  # every quantized weight, by initializer name
     for n in g.node:
         weight = n.input[1] if len(n.input) > 1 else None
+        if n.op_type == "MatMul" and layer_op == "DynamicQuantizeMatMul" and weight in inits:
+            if bits != 8:
+                raise QuantizeError("DynamicQuantizeMatMul layers are 8-bit; use MatMulNBits for int4.")
+            if len(inits[weight].dims) == 2:
+                nodes, qi = dynamic_int8_node(n.name, n.input[0], weight, array(inits[weight]), n.output[0])
+                if weight in dropped:  # shared by two nodes: the codes are already there
+                    qi = []
+                new_nodes += nodes
+                new_inits += qi
+                dropped.add(weight)
+                continue
         if weight in packed and n.op_type in ("MatMul", "Gemm"):
             q = packed[weight]  # a weight the exporter shared between two nodes: packed once, read twice
         elif n.op_type == "MatMul" and weight in inits and len(inits[weight].dims) == 2:
-            w = numpy_helper.to_array(inits[weight])  # (K, N)
+            w = array(inits[weight])  # (K, N)
             q = quantize_blockwise(w, bits, block_size, symmetric)
         elif n.op_type == "Gemm" and weight in inits and head_bits is not None:
             attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
             if attrs.get("transB") != 1 or attrs.get("transA", 0) or len(n.input) > 2:
                 raise QuantizeError(f"Unexpected head Gemm {n.name} {attrs}; re-export with this gpt2edge.")
-            table = numpy_helper.to_array(inits[weight])  # (V, C): the head is x @ table.T
+            table = array(inits[weight])  # (V, C): the head is x @ table.T
             block = embedding_block_size(table.shape[1], head_block_size)
             q = tables[weight] = quantize_blockwise(table.T, head_bits, block, symmetric)
         else:
@@ -171,7 +213,7 @@ def quantize_weights(
     for n in new_nodes:
         table = n.input[0] if n.op_type == "Gather" and _axis(n) == 0 else None
         if table is not None and table not in tables and _is_float_table(inits.get(table), readers.get(table)):
-            w = numpy_helper.to_array(inits[table])  # (rows, C)
+            w = array(inits[table])  # (rows, C)
             block = embedding_block_size(w.shape[1], POSITION_BLOCK_SIZE)
             q = tables[table] = quantize_blockwise(w.T, 8, block, symmetric)
             new_inits += [

@@ -1,0 +1,154 @@
+"""CPU targets for `quantize --target`: which one this machine is, found by running the instructions, and the
+recipe each gets.
+
+A flag in /proc/cpuinfo says what the CPU advertises, not what it runs: on a VM an Intel Xeon may list
+amx_tile / amx_int8 and still fault (SIGILL) on the first tile instruction, and Linux hands AMX state out only
+on request (arch_prctl ARCH_REQ_XCOMP_PERM). So each candidate is probed in a child process that executes a
+few bytes of machine code for it; a crash there costs the child only. Every recipe writes standard ONNX Runtime
+contrib ops that run on any CPU: a target changes speed, never whether a folder runs.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from functools import cache
+
+from gpt2edge.errors import QuantizeError
+from gpt2edge.manifest_fields import QUANTIZE_TARGETS
+
+TARGETS = QUANTIZE_TARGETS
+# what `quantize --target` accepts: a target, or native (this machine's, probed)
+TARGET_CHOICES = ("native", *TARGETS)
+
+# x86-64 code run by the probe: each ends in `ret`; the AMX one gets its tile config's address in rdi
+_CODE = {
+    # vpaddd ymm0, ymm0, ymm0; vzeroupper; ret
+    "avx2": "c5fdfec0" "c5f877" "c3",
+    # vpdpbusd zmm0, zmm0, zmm0 (AVX512-VNNI); vzeroupper; ret
+    "avx512-vnni": "62f27d4850c0" "c5f877" "c3",
+    # ldtilecfg [rdi]; tilezero tmm0; tilerelease; ret
+    "amx": "c4e2784907" "c4e27b49c0" "c4e27849c0" "c3",
+}
+# flags each target needs in /proc/cpuinfo before it is worth probing
+_FLAGS = {"avx2": {"avx2", "fma"}, "avx512-vnni": {"avx512f", "avx512_vnni"}, "amx": {"amx_tile", "amx_int8"}}
+
+_PROBE = r"""
+import ctypes, mmap, sys
+code = bytes.fromhex(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+if sys.argv[2] == "amx":
+    # Linux grants the AMX tile state per process: ARCH_REQ_XCOMP_PERM (0x1023), XFEATURE_XTILEDATA (18)
+    if libc.syscall(158, 0x1023, 18) != 0:
+        sys.exit(3)
+buf = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+buf.write(code)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+cfg = (ctypes.c_uint8 * 64)()
+cfg[0] = 1  # palette 1; tile 0: 16 rows of 64 bytes
+cfg[16] = 64
+cfg[48] = 16
+ctypes.CFUNCTYPE(None, ctypes.c_void_p)(addr)(ctypes.addressof(cfg))
+print("ok")
+"""
+
+
+def cpu_flags() -> set[str]:
+    """The flags /proc/cpuinfo lists for the first CPU (empty where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def probe(target: str, timeout: float = 20.0) -> bool:
+    """Whether this CPU executes `target`'s instructions: run them in a child process (SIGILL kills the child)."""
+    if target == "generic":
+        return True
+    if platform.machine().lower() not in ("x86_64", "amd64") or not sys.platform.startswith("linux"):
+        return False
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE, _CODE[target], target], capture_output=True, text=True, timeout=timeout
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0 and done.stdout.strip() == "ok"
+
+
+@dataclass(frozen=True)
+class CpuReport:
+    """What the CPU advertises and what the probes found it runs; `target` is the best runnable one."""
+
+    name: str
+    flags: tuple[str, ...]  # the flags that matter to the targets
+    advertised: tuple[str, ...]
+    runs: tuple[str, ...]
+    target: str
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@cache
+def detect() -> CpuReport:
+    """Probe this machine once per process: the best target whose flags are listed AND whose code runs."""
+    flags = cpu_flags()
+    advertised = tuple(t for t in TARGETS if t == "generic" or _FLAGS[t] <= flags)
+    runs = tuple(t for t in advertised if probe(t))
+    best = next(t for t in ("amx", "avx512-vnni", "avx2", "generic") if t in runs)
+    wanted = set().union(*_FLAGS.values()) | {"avx512bw", "avx512_bf16", "amx_bf16", "avx_vnni"}
+    return CpuReport(cpu_name(), tuple(sorted(flags & wanted)), advertised, runs, best)
+
+
+@dataclass(frozen=True)
+class TargetRecipe:
+    """The defaults a target gives `quantize` (an option given on the command line still wins)."""
+
+    int4_block: int
+    int4_symmetric: bool
+    int8_block: int
+    int8_op: str  # "MatMulNBits" (weight-only, 8-bit blocks) or "DynamicQuantizeMatMul" (per-column int8)
+    accuracy_level: int
+    head_bits: int
+    measured: str  # where these were measured, or why they were chosen without a measurement
+
+
+RECIPES = {
+    # measured on AMD Zen 4 and Zen 5 (2 vCPU, AVX-512 VNNI): benchmarks/README.md ("Recipes per CPU")
+    "avx512-vnni": TargetRecipe(256, False, 128, "MatMulNBits", 4, 8, "AMD Zen 4 / Zen 5, AVX-512 VNNI"),
+    # AVX2 without VNNI: the 4-bit kernel ran ~20 % faster without zero points (Zen 3, earlier sessions);
+    # level 4 stays: the float path was ~40x slower there
+    "avx2": TargetRecipe(256, True, 128, "MatMulNBits", 4, 8, "AMD Zen 3 (AVX2): int4 symmetric ~20 % faster"),
+    # AMX: ONNX Runtime's u8s8 GEMM (MatMulInteger / DynamicQuantizeMatMul) has AMX kernels, MatMulNBits none;
+    # chosen from the kernels' code, not measured here (this session's CPU has no AMX)
+    "amx": TargetRecipe(256, False, 128, "DynamicQuantizeMatMul", 4, 8, "not measured: no AMX CPU this session"),
+    # any other CPU (ARM, old x86): small blocks and the float compute path, the most portable accuracy
+    "generic": TargetRecipe(32, False, 32, "MatMulNBits", 0, 8, "portable defaults, not tuned"),
+}
+
+
+def check_target(target: str | None) -> str:
+    """The named target, or this machine's (probed) when None; an unknown name is refused."""
+    if target is None:
+        return detect().target
+    if target not in TARGETS:
+        raise QuantizeError(f"Unknown --target '{target}'; choose one of {', '.join(TARGETS)}.")
+    return target
