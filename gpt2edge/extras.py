@@ -14,8 +14,8 @@ from gpt2edge.errors import MissingExtraError
 EXTRAS: dict[str, tuple[str, ...]] = {
     "export": ("torch", "transformers", "onnx", "onnxscript", "safetensors"),
     "quantize": ("onnx",),
-    "serve": ("fastapi", "uvicorn"),
-    "cluster": ("fastapi", "uvicorn", "ray"),
+    "serve": ("fastapi", "uvicorn", "prometheus_client", "jinja2"),
+    "cluster": ("fastapi", "uvicorn", "prometheus_client", "jinja2", "ray"),
 }
 # a bare `pip install torch` pulls the multi-GB CUDA build; the project pins the CPU wheel first
 _TORCH_HINT = " (install torch==2.13.0 first: a bare torch requirement pulls the multi-GB CUDA build)"
