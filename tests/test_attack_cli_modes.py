@@ -23,7 +23,7 @@ def test_interactive_refuses_beam_search_options(tiny_export, extra):
 @pytest.mark.parametrize("port", ["65536", "99999", "-1"])
 def test_serve_refuses_a_port_outside_0_to_65535(tiny_export, port, monkeypatch):
     """Out of range, the OS took the port modulo 65536 and the server listened on another port than asked."""
-    import gpt2edge.serve.server as server
+    import gpt2edge.serve.hosting.server as server
 
     def started(*args, **kwargs):
         raise AssertionError("the server started")
@@ -77,7 +77,7 @@ def test_several_greedy_sequences_error_names_the_cli_flag_that_fixes_it(tiny_ex
 @pytest.mark.parametrize("host", ["", "  "])
 def test_serve_refuses_an_empty_host(tiny_export, host, monkeypatch):
     """An empty --host (e.g. an unset "$HOST") bound every interface: the server was exposed, not on loopback."""
-    import gpt2edge.serve.server as server
+    import gpt2edge.serve.hosting.server as server
 
     def started(*args, **kwargs):
         raise AssertionError("the server started")

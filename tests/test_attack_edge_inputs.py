@@ -45,7 +45,7 @@ def test_cli_non_utf8_stop_or_ban_is_a_one_line_error(tiny_export, flag):
     "body", [b'{"prompt": "\\ud800"}', b'{"prompt": ["ok", "a\\udfff"]}', b'{"prompt": "hi", "stop": ["\\ud83d"]}']
 )
 def test_serve_refuses_json_escaped_lone_surrogates_with_a_400(body):
-    from gpt2edge.serve.protocol import ApiError, parse_request
+    from gpt2edge.serve.api.protocol import ApiError, parse_request
 
     with pytest.raises(ApiError) as e:
         parse_request(body)

@@ -138,7 +138,7 @@ def test_force_replaces_an_export_and_an_empty_folder(tiny_export, tmp_path):
 @pytest.mark.parametrize("native", [True, False])
 def test_no_replace_rename(tmp_path, monkeypatch, native):
     if not native:
-        monkeypatch.setattr("gpt2edge.folder_swap._renameat2", lambda: None)  # the mkdir-based fallback
+        monkeypatch.setattr("gpt2edge.folder.swap._renameat2", lambda: None)  # the mkdir-based fallback
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()
     (src / "a").write_text("new")

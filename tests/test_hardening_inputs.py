@@ -189,7 +189,7 @@ def test_deeply_nested_keep_ids_prompt_line_and_checkpoint_config(tiny_export, t
 
 def test_deeply_nested_serve_request_is_a_400():
     pytest.importorskip("pydantic")
-    from gpt2edge.serve.protocol import ApiError, parse_request
+    from gpt2edge.serve.api.protocol import ApiError, parse_request
 
     with pytest.raises(ApiError) as e:
         parse_request(DEEP.encode())

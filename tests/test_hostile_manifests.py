@@ -111,7 +111,7 @@ def test_keep_ids_that_are_not_ids_are_one_short_error_line(tiny_export, tmp_pat
 
 def test_a_manifest_past_the_size_cap_is_refused_unread(tiny_export, tmp_path):
     """A manifest is a few kB; one of 16 MiB and more (a 10 GB sparse file would be read whole) is refused."""
-    from gpt2edge.manifest_records import MAX_MANIFEST_BYTES
+    from gpt2edge.manifest.records import MAX_MANIFEST_BYTES
 
     folder = hostile(tiny_export, tmp_path, lambda text: text + " " * MAX_MANIFEST_BYTES)  # valid JSON, too big
     line = refused_in_one_line(CliRunner().invoke(main, ["generate", folder, "-p", "a", "-n", "1"]), "MB")
@@ -125,7 +125,7 @@ def test_output_folder_checks_do_not_read_a_huge_manifest(tiny_export, tmp_path,
     """`--force` asks whether OUT is an export folder: a huge manifest.json there is not one, and is not read."""
     import pathlib
 
-    from gpt2edge.folder_checks import is_export_folder
+    from gpt2edge.folder.checks import is_export_folder
 
     out = tmp_path / "out"
     shutil.copytree(tiny_export, out)

@@ -91,7 +91,7 @@ def test_truncated_or_missing_external_data_is_refused(external_export, tmp_path
 def test_stream_reader_refuses_truncated_data(external_export, tmp_path):
     import shutil
 
-    from gpt2edge.onnx_stream import load_graph, tensor_array
+    from gpt2edge.onnx_io.stream import load_graph, tensor_array
 
     bad = tmp_path / "t"
     shutil.copytree(external_export, bad)
@@ -107,7 +107,7 @@ def test_stream_reader_refuses_truncated_data(external_export, tmp_path):
 def test_streaming_writer_round_trips(tmp_path, external):
     from onnx import helper, numpy_helper
 
-    from gpt2edge.onnx_stream import load_graph, passthrough, save_streaming, tensor_array
+    from gpt2edge.onnx_io.stream import load_graph, passthrough, save_streaming, tensor_array
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 48)).astype(np.float32)
@@ -195,7 +195,7 @@ def test_self_contained_graph_is_scanned_not_loaded(tiny_export, tmp_path, monke
     variant equals the one made from a fully loaded graph."""
     from onnx import numpy_helper
 
-    from gpt2edge import onnx_stream
+    from gpt2edge.onnx_io import stream as onnx_stream
 
     path = tiny_export / "model.onnx"
     monkeypatch.setattr(onnx_stream, "SCAN_ABOVE", 0)

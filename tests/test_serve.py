@@ -31,13 +31,13 @@ from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, TokenLogprob  # noqa: E402
 from gpt2edge.runtime.model.tokenizer import TextTokenizer  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
-from gpt2edge.serve.app import create_app  # noqa: E402
-from gpt2edge.serve.batch import advance, take_batch  # noqa: E402
-from gpt2edge.serve.continuous import ContinuousScheduler  # noqa: E402
-from gpt2edge.serve.jobs import Job, Piece, Sampling  # noqa: E402
-from gpt2edge.serve.rowtext import RowText  # noqa: E402
-from gpt2edge.serve.scheduler import Scheduler  # noqa: E402
-from gpt2edge.serve.server import BackgroundServer  # noqa: E402
+from gpt2edge.serve.api.app import create_app  # noqa: E402
+from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
+from gpt2edge.serve.scheduling.batch import advance, take_batch  # noqa: E402
+from gpt2edge.serve.scheduling.continuous import ContinuousScheduler  # noqa: E402
+from gpt2edge.serve.scheduling.jobs import Job, Piece, Sampling  # noqa: E402
+from gpt2edge.serve.scheduling.rowtext import RowText  # noqa: E402
+from gpt2edge.serve.scheduling.scheduler import Scheduler  # noqa: E402
 
 PROMPTS = [
     "The river rose and",

@@ -1,5 +1,5 @@
-"""Continuous batching (gpt2edge.serve.continuous): requests join a running batch at a step boundary and leave
-it when they end; every greedy row still gets its tokens alone (both graph kinds), a seeded request its text
+"""Continuous batching (gpt2edge.serve.scheduling.continuous): requests join a running batch at a step boundary and
+leave it when they end; every greedy row still gets its tokens alone (both graph kinds), a seeded request its text
 whoever else is served. A --static folder is served within its batch and capacity (next-batch scheduler)."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from test_serve import PROMPTS, alone, joined, post, stream_one  # noqa: E402
 from gpt2edge.errors import ServeError  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
-from gpt2edge.serve.app import create_app  # noqa: E402
-from gpt2edge.serve.continuous import ContinuousScheduler, make_scheduler  # noqa: E402
-from gpt2edge.serve.jobs import Job, Piece, Sampling  # noqa: E402
-from gpt2edge.serve.scheduler import Scheduler  # noqa: E402
-from gpt2edge.serve.server import BackgroundServer  # noqa: E402
+from gpt2edge.serve.api.app import create_app  # noqa: E402
+from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
+from gpt2edge.serve.scheduling.continuous import ContinuousScheduler, make_scheduler  # noqa: E402
+from gpt2edge.serve.scheduling.jobs import Job, Piece, Sampling  # noqa: E402
+from gpt2edge.serve.scheduling.scheduler import Scheduler  # noqa: E402
 
 SAMPLED = dict(temperature=1.5, top_p=0.9)
 

@@ -23,9 +23,9 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)"
 from test_serve import alone, parse_sse, post, running  # noqa: E402
 
 from gpt2edge.runtime import Generator  # noqa: E402
-from gpt2edge.serve.app import drain  # noqa: E402
-from gpt2edge.serve.events import EventBuffer  # noqa: E402
-from gpt2edge.serve.jobs import Failure, Piece  # noqa: E402
+from gpt2edge.serve.api.app import drain  # noqa: E402
+from gpt2edge.serve.api.events import EventBuffer  # noqa: E402
+from gpt2edge.serve.scheduling.jobs import Failure, Piece  # noqa: E402
 
 
 def connect(url: str, rcvbuf: int | None = None) -> socket.socket:
@@ -125,7 +125,7 @@ def test_a_slow_reader_is_dropped_with_an_error_event(tiny_export, monkeypatch):
     """A client that stops reading: its events pile up to the bound, then its row is freed and the stream ends
     with an error event after what it had not read. (The server's socket gets a small send buffer, as on a slow
     link: on loopback the kernel would otherwise absorb this tiny model's whole stream.)"""
-    from gpt2edge.serve.limits import LimitedH11Protocol
+    from gpt2edge.serve.hosting.limits import LimitedH11Protocol
 
     made = LimitedH11Protocol.connection_made
 
@@ -211,7 +211,7 @@ def test_the_connection_cap_stays_below_the_file_descriptor_limit(monkeypatch):
     """With `ulimit -n 512`, 512 connections would leave no descriptor for accept(): the cap keeps 64 spare."""
     import resource
 
-    from gpt2edge.serve.server import connection_cap
+    from gpt2edge.serve.hosting.server import connection_cap
 
     monkeypatch.setattr(resource, "getrlimit", lambda what: (512, 512))
     assert connection_cap(512) == 448 and connection_cap(100) == 100

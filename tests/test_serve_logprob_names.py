@@ -6,7 +6,7 @@ log-prob is the one listed under its name."""
 from __future__ import annotations
 
 from gpt2edge.runtime.decoding.logprobs import TokenLogprob, TopLogprob
-from gpt2edge.serve.logprobs import ChoiceLogprobs, logprobs_body, token_entry
+from gpt2edge.serve.scheduling.logprobs import ChoiceLogprobs, logprobs_body, token_entry
 
 
 class NoText:

@@ -20,11 +20,11 @@ from test_serve import GREEDY, PROMPTS, alone, parse_sse, post, running  # noqa:
 
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
-from gpt2edge.serve.app import create_app  # noqa: E402
-from gpt2edge.serve.continuous import ContinuousScheduler  # noqa: E402
-from gpt2edge.serve.jobs import Sampling  # noqa: E402
-from gpt2edge.serve.penalties import RowPenalties  # noqa: E402
-from gpt2edge.serve.server import BackgroundServer  # noqa: E402
+from gpt2edge.serve.api.app import create_app  # noqa: E402
+from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
+from gpt2edge.serve.scheduling.continuous import ContinuousScheduler  # noqa: E402
+from gpt2edge.serve.scheduling.jobs import Sampling  # noqa: E402
+from gpt2edge.serve.scheduling.penalties import RowPenalties  # noqa: E402
 
 
 @pytest.fixture(scope="module")

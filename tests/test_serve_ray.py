@@ -18,7 +18,7 @@ yaml = pytest.importorskip("yaml", reason="pyyaml is not installed (ray[serve] b
 from gpt2edge.errors import ServeError  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
-from gpt2edge.serve.ray_app import APP_NAME, app_builder, build_application  # noqa: E402
+from gpt2edge.serve.hosting.ray_app import APP_NAME, app_builder, build_application  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "ray_serve.yaml"
 
@@ -35,7 +35,7 @@ def test_autoscaling_config_example_is_valid_for_ray_serve(tiny_export):
     config = yaml.safe_load(CONFIG.read_text())
     ServeDeploySchema.model_validate(config)  # the schema `serve deploy` checks it against
     app = config["applications"][0]
-    assert app["import_path"] == "gpt2edge.serve.ray_app:app_builder"
+    assert app["import_path"] == "gpt2edge.serve.hosting.ray_app:app_builder"
     assert app["deployments"][0]["autoscaling_config"]["max_replicas"] > 1
     # its args build the application (pointing model_dir at a real folder)
     built = app_builder(dict(app["args"], model_dir=str(tiny_export)))

@@ -17,9 +17,9 @@ from onnx import TensorProto, helper
 from gpt2edge.cli import main
 from gpt2edge.convert import convert_folder
 from gpt2edge.errors import ConvertError, ModelFolderError
-from gpt2edge.external_data import external_locations
 from gpt2edge.manifest import file_digest
-from gpt2edge.manifest_records import MANIFEST_NAME
+from gpt2edge.manifest.records import MANIFEST_NAME
+from gpt2edge.onnx_io.external_data import external_locations
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.model.folder import ModelFolder
 

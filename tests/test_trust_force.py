@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from gpt2edge.cli import main
 from gpt2edge.cli.paths import OutputPath
-from gpt2edge.manifest_records import FORMAT, MANIFEST_NAME
+from gpt2edge.manifest.records import FORMAT, MANIFEST_NAME
 
 # string options whose help names a file or folder without taking a path
 NOT_PATHS = {("serve", "model_name")}

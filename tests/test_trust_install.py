@@ -19,8 +19,8 @@ import pytest
 
 from gpt2edge.errors import OutputExistsError
 from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder_temp import _host_tag, clean_stale
-from gpt2edge.manifest_records import FORMAT, MANIFEST_NAME
+from gpt2edge.folder.temp import _host_tag, clean_stale
+from gpt2edge.manifest.records import FORMAT, MANIFEST_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -66,7 +66,7 @@ def named_fixes(command: str, line: str) -> set[str]:
 def test_a_damaged_folder_error_names_only_flags_the_command_has(tiny_export, damaged, tmp_path, command, monkeypatch):
     if command == "serve":
         pytest.importorskip("fastapi")
-        import gpt2edge.serve.server as server
+        import gpt2edge.serve.hosting.server as server
 
         def started(*args, **kwargs):
             raise AssertionError("the server started on a damaged folder")

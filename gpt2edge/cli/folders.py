@@ -12,7 +12,7 @@ from gpt2edge.convert import FORMATS
 from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, SUPPORTED_OPSETS
 from gpt2edge.export.random_checkpoint import SIZES
 from gpt2edge.extras import require_extra
-from gpt2edge.manifest_records import HEAD_MODES, KV_CACHE_MODES
+from gpt2edge.manifest.records import HEAD_MODES, KV_CACHE_MODES
 from gpt2edge.prompt_input import read_text_file
 from gpt2edge.quantize.handler import ACCURACY_LEVELS, HEAD_BITS, MODES
 from gpt2edge.quantize.primitives import BLOCK_SIZES

@@ -3,7 +3,7 @@
 A command's outputs are the parameters typed `OutputPath` (export/quantize/... OUT, bench --plot); every other
 `click.Path` parameter is an input (model folders, texts, id lists, corpora, drafts, tokenizers). An input that
 is an output or lies inside one is refused before any work, with or without --force: replacing OUT would
-delete it. The library keeps its own checks (gpt2edge.folder_checks) for Python callers; this guard covers
+delete it. The library keeps its own checks (gpt2edge.folder.checks) for Python callers; this guard covers
 every option of every command, including ones added later, because it reads the command's own parameters.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.folder_checks import check_inputs
+from gpt2edge.folder.checks import check_inputs
 
 
 class OutputPath(click.Path):

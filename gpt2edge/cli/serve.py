@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from gpt2edge.cli.common import DEVICE_HELP, DEVICES, THREADS, THREADS_HELP, finite_range, friendly_errors, main
-from gpt2edge.serve.config import SCHEDULERS
+from gpt2edge.serve.hosting.config import SCHEDULERS
 
 
 def _host(ctx, param, value: str) -> str:
@@ -150,7 +150,7 @@ def serve(
             raise click.BadParameter("Ray Serve needs a fixed port", param_hint="--port")
         require_extra("cluster", "serve --ray")
         from gpt2edge.runtime import ModelFolder
-        from gpt2edge.serve.ray_app import build_application, run_on_ray
+        from gpt2edge.serve.hosting.ray_app import build_application, run_on_ray
 
         ModelFolder.open(model_dir, verify=not no_verify)  # a bad folder fails here, not in every replica
         app = build_application(
@@ -166,7 +166,7 @@ def serve(
         return
     require_extra("serve", "serve")
     from gpt2edge.runtime import ModelFolder
-    from gpt2edge.serve.server import bind_socket, loading_app, serve_forever
+    from gpt2edge.serve.hosting.server import bind_socket, loading_app, serve_forever
 
     ModelFolder.open(model_dir, verify=not no_verify)  # a bad folder: one error line before the port is taken
     sock = bind_socket(host, port)  # a port in use: one error line before the model loads

@@ -26,7 +26,7 @@ _AXES = "gpt2edge_logits_axes"
 def graph_head(model) -> str:
     """The head the graph really has, read from its structure (never from the manifest): "tail" when it takes
     a logits_to_keep input, else "last" for a (B, V) `logprobs` output and "all" for a (B, S, V) one."""
-    from gpt2edge.manifest_records import KEEP_INPUT
+    from gpt2edge.manifest.records import KEEP_INPUT
 
     g = model.graph
     if KEEP_INPUT in {i.name for i in g.input}:

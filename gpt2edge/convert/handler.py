@@ -19,7 +19,7 @@ from gpt2edge.convert.ort_format import check_ort_size
 from gpt2edge.convert.web import check_web, write_web
 from gpt2edge.errors import ConvertError
 from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder_checks import check_output_dir
+from gpt2edge.folder.checks import check_output_dir
 from gpt2edge.manifest import graph_files, read_manifest, verify_files, write_manifest
 from gpt2edge.runtime.model.folder import ModelFolder
 

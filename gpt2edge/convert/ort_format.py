@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpt2edge.errors import ConvertError
-from gpt2edge.folder_checks import disk_full
+from gpt2edge.folder.checks import disk_full
 
 CONFIG_NAME = "required_operators.config"
 OPTIMIZATION_STYLE = "Fixed"

@@ -17,7 +17,7 @@ from typing import Any
 from gpt2edge.errors import CheckpointError
 from gpt2edge.export.hub import cache_only
 from gpt2edge.export.loading_check import check_loading_info
-from gpt2edge.manifest_records import FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES
+from gpt2edge.manifest.records import FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 WEIGHT_FILES = (
     "model.safetensors",

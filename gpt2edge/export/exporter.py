@@ -28,10 +28,10 @@ from gpt2edge.export.options import (
 )
 from gpt2edge.extras import require_extra
 from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder_checks import check_output_dir
+from gpt2edge.folder.checks import check_output_dir
 from gpt2edge.manifest import write_manifest
-from gpt2edge.manifest_records import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, STATIC_KV_CACHE
-from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD, decode_weight_bytes
+from gpt2edge.manifest.records import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, STATIC_KV_CACHE
+from gpt2edge.onnx_io.stats import EXTERNAL_DATA_THRESHOLD, decode_weight_bytes
 from gpt2edge.progress import Progress
 from gpt2edge.report_text import record_text
 from gpt2edge.resources import check_need, checkpoint_weight_bytes, export_need

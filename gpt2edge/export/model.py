@@ -30,7 +30,7 @@ _ACTIVATIONS = {
 
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
-# The graph kinds this module builds (gpt2edge.manifest_records.HEAD_MODES / KV_CACHE_MODES).
+# The graph kinds this module builds (gpt2edge.manifest.records.HEAD_MODES / KV_CACHE_MODES).
 # head: "last" returns the next-token log-probs only, "all" every position's, "tail" those of the positions
 #       listed by one more input, `logits_to_keep` (int64 (keep,), transformers' tensor form of that argument:
 #       the runtime passes the last position for generation, the last K+1 to verify K draft tokens).

@@ -16,9 +16,9 @@ from gpt2edge.errors import ExportError
 from gpt2edge.export.fused_ops import onnx_translation
 from gpt2edge.export.model import ExportableGPT2
 from gpt2edge.export.options import DEFAULT_OPSET, check_opset
-from gpt2edge.folder_checks import DISK_FULL, disk_full
-from gpt2edge.manifest_records import KEEP_INPUT
-from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD
+from gpt2edge.folder.checks import DISK_FULL, disk_full
+from gpt2edge.manifest.records import KEEP_INPUT
+from gpt2edge.onnx_io.stats import EXTERNAL_DATA_THRESHOLD
 
 
 def io_names(n_layer: int, head: str = "last") -> tuple[list[str], list[str]]:
@@ -130,7 +130,7 @@ def _drop_weights(program) -> None:
 
 def graph_files_of(path: Path) -> list[str]:
     """The graph file and, when its weights are outside, every external data file it names."""
-    from gpt2edge.onnx_stream import external_locations, load_graph
+    from gpt2edge.onnx_io.stream import external_locations, load_graph
 
     return [path.name, *external_locations(load_graph(path))]
 
@@ -138,7 +138,7 @@ def graph_files_of(path: Path) -> list[str]:
 def inline_small(path: Path) -> list[str]:
     """Make a graph whose external data fits in one protobuf a single self-contained file, streamed tensor by
     tensor (no second copy of the weights); a larger one is left as it is. Returns the graph's files."""
-    from gpt2edge.onnx_stream import external_locations, load_graph, passthrough, save_streaming
+    from gpt2edge.onnx_io.stream import external_locations, load_graph, passthrough, save_streaming
 
     path = Path(path)
     model = load_graph(path)

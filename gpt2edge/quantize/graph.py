@@ -8,8 +8,8 @@ from pathlib import Path, PurePosixPath
 import onnx
 
 from gpt2edge.manifest import resolve_inside
-from gpt2edge.manifest_records import Manifest
-from gpt2edge.onnx_stats import EXTERNAL_DATA_THRESHOLD
+from gpt2edge.manifest.records import Manifest
+from gpt2edge.onnx_io.stats import EXTERNAL_DATA_THRESHOLD
 
 
 def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
@@ -19,7 +19,7 @@ def producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
 
 def payload_bytes(model: onnx.ModelProto) -> int:
     """Bytes of the weights a model will write: external lengths and inline raw data, from the descriptions."""
-    from gpt2edge.onnx_stream import _external_info
+    from gpt2edge.onnx_io.stream import _external_info
 
     total = 0
     for init in model.graph.initializer:
@@ -31,9 +31,9 @@ def payload_bytes(model: onnx.ModelProto) -> int:
 def save_model(model: onnx.ModelProto, path: Path, base_dir: Path | None = None) -> list[str]:
     """Write `model` to `path`, weights in `<name>.data` when over 2 GB; returns the file names written.
 
-    Streamed tensor by tensor (gpt2edge.onnx_stream): initializers still stored outside are read from
+    Streamed tensor by tensor (gpt2edge.onnx_io.stream): initializers still stored outside are read from
     `base_dir` (the parent's graph folder) one at a time; the message is never serialized with its weights."""
-    from gpt2edge.onnx_stream import passthrough, save_streaming
+    from gpt2edge.onnx_io.stream import passthrough, save_streaming
 
     path = Path(path)
     external = payload_bytes(model) > EXTERNAL_DATA_THRESHOLD  # read at call time: tests lower it

@@ -16,9 +16,9 @@ from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import QuantizeError
 from gpt2edge.extras import require_extra
 from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder_checks import check_output_dir, check_sources
+from gpt2edge.folder.checks import check_output_dir, check_sources
 from gpt2edge.manifest import graph_files, load_manifest, resolve_inside, verify_files, write_manifest
-from gpt2edge.onnx_stats import decode_weight_bytes
+from gpt2edge.onnx_io.stats import decode_weight_bytes
 from gpt2edge.progress import Progress
 from gpt2edge.quantize.recipe import (  # noqa: F401  (re-exported: the CLI and tests read them here)
     ACCURACY_LEVELS,
@@ -100,7 +100,7 @@ def quantize_model(
 
             variant = to_fp16(onnx.load(str(graph_path)))  # ONNX Runtime's converter wants every weight loaded
         else:
-            from gpt2edge.onnx_stream import load_graph
+            from gpt2edge.onnx_io.stream import load_graph
             from gpt2edge.quantize.weight_only import quantize_weights
 
             # streamed: the graph without its external data; each matrix is read when it is quantized

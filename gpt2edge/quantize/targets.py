@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from functools import cache
 
 from gpt2edge.errors import QuantizeError
-from gpt2edge.manifest_fields import QUANTIZE_TARGETS
+from gpt2edge.manifest.fields import QUANTIZE_TARGETS
 
 TARGETS = QUANTIZE_TARGETS
 # what `quantize --target` accepts: a target, or native (this machine's, probed)

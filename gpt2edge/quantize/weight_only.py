@@ -14,8 +14,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from gpt2edge.errors import QuantizeError
-from gpt2edge.onnx_stats import reader_ops
-from gpt2edge.onnx_stream import tensor_array
+from gpt2edge.onnx_io.stats import reader_ops
+from gpt2edge.onnx_io.stream import tensor_array
 from gpt2edge.quantize.primitives import (
     POSITION_BLOCK_SIZE,
     BlockQuantized,
@@ -156,7 +156,7 @@ def quantize_weights(
     - layer_op "DynamicQuantizeMatMul" (8 bits only): the layers' MatMuls become per-column int8
       DynamicQuantizeMatMul instead (the head and tables as above).
 
-    Streaming: `model` may be loaded without its external data (gpt2edge.onnx_stream.load_graph); each weight
+    Streaming: `model` may be loaded without its external data (gpt2edge.onnx_io.stream.load_graph); each weight
     is then read from `base_dir` when it is quantized, so only one fp32 matrix is in memory at a time, and the
     fp32 tensors kept (LayerNorm, biases) stay external references for the writer to copy. `in_place`: rewrite
     `model` itself instead of a copy (a copy of a loaded 1.4 GB graph is 1.4 GB more)."""

@@ -21,9 +21,9 @@ from tqdm import tqdm
 import gpt2edge
 from gpt2edge.errors import SparseHeadError
 from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder_checks import check_output_dir, check_sources
+from gpt2edge.folder.checks import check_output_dir, check_sources
 from gpt2edge.manifest import load_manifest, resolve_inside, verify_files, write_manifest
-from gpt2edge.manifest_records import Manifest
+from gpt2edge.manifest.records import Manifest
 from gpt2edge.runtime.sparse_head.record import BOUND_FILE, HEAD_FILE, MAX_RANK, TABLE_FILE
 
 DEFAULT_RANK = 16
@@ -103,7 +103,7 @@ def _manifest(
     info: Manifest, src: Path, files: list[str], tmp: Path, kind: str, rank: int, arrays: dict[str, np.ndarray]
 ) -> dict[str, Any]:
     """The parent's manifest with the body graph's files and outputs, and the sparse_head record."""
-    from gpt2edge.onnx_stats import decode_weight_bytes
+    from gpt2edge.onnx_io.stats import decode_weight_bytes
 
     parent = dict(info.raw)
     graph = dict(parent["graph"])

@@ -20,10 +20,10 @@ import gpt2edge
 from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import TrimError
 from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder_checks import check_inputs, check_output_dir, check_sources
+from gpt2edge.folder.checks import check_inputs, check_output_dir, check_sources
 from gpt2edge.manifest import load_manifest, resolve_inside, verify_files, write_manifest
-from gpt2edge.manifest_records import GENERATION_CONFIG, Manifest
-from gpt2edge.onnx_stats import decode_weight_bytes
+from gpt2edge.manifest.records import GENERATION_CONFIG, Manifest
+from gpt2edge.onnx_io.stats import decode_weight_bytes
 from gpt2edge.progress import Progress
 from gpt2edge.report_text import BUILT_IN, record_text
 from gpt2edge.trim.keep import KeepSet, keep_from_corpus, keep_from_ids

@@ -12,9 +12,9 @@ import numpy as np
 
 from gpt2edge.api_args import path_arg
 from gpt2edge.errors import GenerationError, ModelFolderError
-from gpt2edge.external_data import check_external_data
 from gpt2edge.manifest import check_present, load_manifest, resolve_inside, verify_files
-from gpt2edge.manifest_records import ATTENTION_OPS, GENERATION_CONFIG, GraphInfo, Manifest, ModelDims
+from gpt2edge.manifest.records import ATTENTION_OPS, GENERATION_CONFIG, GraphInfo, Manifest, ModelDims
+from gpt2edge.onnx_io.external_data import check_external_data
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -63,7 +63,7 @@ class ModelFolder:
 
     @property
     def graph_format(self) -> str:
-        """ "onnx" or "ort" (ONNX Runtime's own format; gpt2edge.manifest_records.GRAPH_FORMATS)."""
+        """ "onnx" or "ort" (ONNX Runtime's own format; gpt2edge.manifest.records.GRAPH_FORMATS)."""
         return self.info.graph.format
 
     # resolved once (symlinks followed, checked inside the folder): a decode step names the graph in its error
@@ -82,7 +82,7 @@ class ModelFolder:
 
     @property
     def kv_cache(self) -> str:
-        """ "concat" or "shared" (see gpt2edge.manifest_records.KV_CACHE_MODES)."""
+        """ "concat" or "shared" (see gpt2edge.manifest.records.KV_CACHE_MODES)."""
         return self.info.graph.kv_cache
 
     @property

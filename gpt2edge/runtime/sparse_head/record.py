@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import ModelFolderError
-from gpt2edge.manifest_records import Manifest, check_relpath
+from gpt2edge.manifest.records import Manifest, check_relpath
 
 HEAD_FILE = "head.onnx"
 BOUND_FILE = "bound.onnx"

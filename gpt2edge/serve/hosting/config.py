@@ -1,0 +1,80 @@
+"""The server's limits and names, checked once at start-up (no FastAPI, no Ray: the CLI imports this cheaply)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpt2edge.errors import ServeError
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences per request
+MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` (the top alternatives reported per token)
+SCHEDULERS = ("continuous", "next-batch")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What one server (or one Ray Serve replica) accepts.
+
+    max_batch rows decode together (a request of n choices and k prompts is n*k rows); up to max_queue further
+    requests wait, and past that a request gets 429. scheduler: "continuous" (a request joins the running batch
+    at the next decode step) or "next-batch" (it waits for the running batch to end; batch_wait_ms is then the
+    longest a new batch waits to fill).
+
+    Connection limits (uvicorn, serve/hosting/limits.py): a request's headers must arrive within header_timeout_s and
+    its body within body_timeout_s (else 408); at most max_connections are open (one more gets 503 and is
+    closed); headers past max_header_bytes get 400; an idle keep-alive connection is closed after keep_alive_s.
+    A stream whose client lets more than max_buffered_events go unread is dropped with an error event. On
+    shutdown, running requests get shutdown_timeout_s to finish. api_key: requests need `Authorization: Bearer
+    <key>` (401 otherwise); /health and /metrics stay open.
+    """
+
+    model_name: str
+    max_batch: int = 16
+    max_queue: int = 128
+    max_n: int = 8
+    max_body_bytes: int = 1 << 20
+    batch_wait_ms: float = 50.0
+    scheduler: str = "continuous"
+    prefill_tokens: int = 256  # continuous: prompt tokens admitted per decode step (the first request always)
+    max_buffered_events: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 512
+    max_header_bytes: int = 16 * 1024
+    keep_alive_s: float = 5.0
+    shutdown_timeout_s: float = 10.0
+    api_key: str | None = None
+    chat_template: str | None = None  # a jinja file for /v1/chat/completions, instead of the folder's own
+
+    def __post_init__(self) -> None:
+        # each bound named with the flag that sets it, before any model is loaded
+        if not self.model_name:
+            raise ServeError("The model name must not be empty; pass --model-name NAME.")
+        if self.max_batch < 1:
+            raise ServeError(f"--max-batch must be >= 1, got {self.max_batch}.")
+        if self.max_queue < 1:  # every request passes through the queue, however briefly
+            raise ServeError(f"--max-queue must be >= 1, got {self.max_queue}.")
+        if self.max_n < 1:
+            raise ServeError(f"--max-n must be >= 1, got {self.max_n}.")
+        if self.max_body_bytes < 1024:
+            raise ServeError(f"--max-body-kb must be >= 1, got {self.max_body_bytes / 1024:g}.")
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ServeError(f"--batch-wait-ms must be in [0, 1000], got {self.batch_wait_ms}.")
+        if self.scheduler not in SCHEDULERS:
+            raise ServeError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}.")
+        if self.prefill_tokens < 1:
+            raise ServeError(f"--prefill-tokens must be >= 1, got {self.prefill_tokens}.")
+        if self.max_buffered_events < 1:
+            raise ServeError(f"max_buffered_events must be >= 1, got {self.max_buffered_events}.")
+        for flag, value in (("--header-timeout", self.header_timeout_s), ("--body-timeout", self.body_timeout_s),
+                            ("--keep-alive", self.keep_alive_s)):  # fmt: skip
+            if not 0 < value <= 3600:
+                raise ServeError(f"{flag} must be in (0, 3600] seconds, got {value}.")
+        if not 0 <= self.shutdown_timeout_s <= 3600:
+            raise ServeError(f"--shutdown-timeout must be in [0, 3600] seconds, got {self.shutdown_timeout_s}.")
+        if self.max_connections < 1:
+            raise ServeError(f"--max-connections must be >= 1, got {self.max_connections}.")
+        if self.max_header_bytes < 1024:
+            raise ServeError(f"--max-header-kb must be >= 1, got {self.max_header_bytes / 1024:g}.")
+        if self.api_key is not None and (not self.api_key.strip() or not self.api_key.isprintable()):
+            raise ServeError("--api-key must be printable and not empty (it is compared with the Bearer token).")

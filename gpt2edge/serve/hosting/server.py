@@ -1,0 +1,188 @@
+"""Running the app on uvicorn: in the foreground (the CLI) or on a background thread (tests, notebooks).
+
+The port is bound before the model loads (a port in use is one `error:` line, not a lost minute and uvicorn's
+exit 3). uvicorn runs with the limits of ServeConfig: header and body deadlines, a connection cap, a header
+size cap and a keep-alive timeout (serve/hosting/limits.py says what each guards against). On SIGTERM or Ctrl-C it stops
+accepting, requests that still arrive get 503, running rows get shutdown_timeout_s to finish, the rest are
+cancelled, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from gpt2edge.errors import ServeError
+from gpt2edge.serve.api.app import create_app, drain
+from gpt2edge.serve.hosting.config import ServeConfig
+from gpt2edge.serve.hosting.limits import limited_protocol
+from gpt2edge.serve.scheduling.continuous import load_scheduler
+
+
+def local_app(
+    model_dir: str | Path, config: ServeConfig, device: str = "cpu", threads: int | None = None, verify: bool = True
+) -> FastAPI:
+    """Load the model now (a bad folder fails here, before any request) and wrap it in the app."""
+    scheduler = load_scheduler(model_dir, config, device=device, threads=threads, verify=verify)
+    return create_app(lambda: scheduler, config)
+
+
+def loading_app(
+    model_dir: str | Path, config: ServeConfig, device: str, threads: int | None, on_error: Callable[[str], None]
+) -> FastAPI:
+    """An app that loads the model (already verified by the caller) on a thread once the server starts."""
+    return create_app(
+        lambda: load_scheduler(model_dir, config, device=device, threads=threads, verify=False),
+        config,
+        background=True,
+        on_load_error=on_error,
+    )
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening address bound now, so that a port in use (or an address this machine lacks) is reported
+    before anything is loaded."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ServeError(f"Cannot resolve --host {host!r} ({e.strerror}); pass an address such as 127.0.0.1.") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"Cannot listen on {host}:{port}: {e.strerror}; pass another --port.") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that reports the address it bound (port 0 means any free port), turns new requests away
+    (503) as soon as shutdown starts, and exits 0 on SIGTERM (uvicorn re-raises the signal it handled)."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[str], None] | None = None) -> None:
+        super().__init__(config)
+        self._on_ready = on_ready
+        self.url = ""
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.url = f"http://{host}:{port}"
+            if self._on_ready is not None:
+                self._on_ready(self.url)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        drain(self.config.app)
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:  # a service manager's stop: a clean exit once shut down, not death by signal
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    def request_exit(self) -> None:
+        drain(self.config.app)
+        self.should_exit = True
+
+
+def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
+    limits: ServeConfig = app.state.config
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        http=limited_protocol(limits.header_timeout_s, connection_cap(limits.max_connections)),
+        h11_max_incomplete_event_size=limits.max_header_bytes,
+        timeout_keep_alive=limits.keep_alive_s,
+        timeout_graceful_shutdown=limits.shutdown_timeout_s,
+        access_log=False,  # the app writes its own structured access log (request ids, timings)
+    )
+
+
+def connection_cap(asked: int) -> int:
+    """--max-connections, lowered to leave 64 file descriptors of the process's limit (ulimit -n) for the model,
+    logs and the listening socket: past the limit accept() fails and nobody gets in."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return asked if soft == resource.RLIM_INFINITY else max(1, min(asked, soft - 64))
+
+
+def serve_forever(
+    make_app: Callable[[Callable[[str], None]], FastAPI],
+    sock: socket.socket,
+    on_ready: Callable[[str], None] | None = None,
+    log_level: str = "info",
+) -> None:
+    """Serve on a bound socket until Ctrl-C / SIGTERM; then shut down gracefully. make_app(on_load_error) builds
+    the app; a load that fails stops the server and is raised here as one ServeError."""
+    _log_lines()
+    host, port = sock.getsockname()[:2]
+    failed: list[str] = []
+    holder: list[_Server] = []
+
+    def on_load_error(message: str) -> None:
+        failed.append(message)
+        holder[0].request_exit()
+
+    app = make_app(on_load_error)
+    server = _Server(_uvicorn_config(app, host, port, log_level), on_ready)
+    holder.append(server)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down
+        pass
+    if failed:
+        raise ServeError(f"Could not load the model: {failed[0]}")
+    if not server.started:
+        raise ServeError(f"The server on {host}:{port} did not start; see the log above.")
+
+
+def _log_lines() -> None:
+    """gpt2edge's own log lines (the JSON access log, load and failure notes) on stderr, one per line."""
+    import logging
+
+    for name in ("gpt2edge.access", "gpt2edge.serve"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(message)s" if name.endswith("access") else "%(levelname)s: "
+                                                   "%(message)s"))  # fmt: skip
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+
+
+class BackgroundServer:
+    """`with BackgroundServer(app) as url:` serves on 127.0.0.1 (a free port) on a thread; stops on exit."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0) -> None:
+        self._server = _Server(_uvicorn_config(app, host, port, "warning"))
+        self._thread = threading.Thread(target=self._server.run, name="gpt2edge-uvicorn", daemon=True)
+        self._timeout = timeout
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + self._timeout
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not self._server.started:
+            raise ServeError("The background server did not start; see its log above.")
+        return self._server.url
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown (returns at once; __exit__ waits for it)."""
+        self._server.request_exit()
+
+    def __exit__(self, *exc) -> None:
+        self._server.request_exit()
+        self._thread.join(self._timeout)

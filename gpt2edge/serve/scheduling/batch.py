@@ -1,0 +1,120 @@
+"""Forming a batch from the waiting jobs, and running it on the Generator with one callback per decode step."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from gpt2edge.errors import Gpt2EdgeError
+from gpt2edge.serve.scheduling.jobs import Failure, Job, Piece, Row
+
+if TYPE_CHECKING:
+    from gpt2edge.runtime.decoding.logprobs import TokenLogprob
+
+log = logging.getLogger("gpt2edge.serve")
+
+
+class _BatchDone(Exception):
+    """Raised from the step callback once every row is finished or cancelled: the batch ends early."""
+
+
+def take_batch(waiting: deque[Job], max_batch: int, n_positions: int) -> list[Job]:
+    """Remove and return the oldest job and every later one that can share its batch.
+
+    A job joins when its sampling key matches the oldest job's, its rows fit under max_batch, and the batch's
+    longest prompt plus its largest max_tokens still fit the model's positions (rows are left-padded to the
+    longest prompt and all decode for the largest max_tokens). Jobs that do not fit wait for the next batch.
+    """
+    chosen: list[Job] = []
+    rows = longest = most = 0
+    for job in list(waiting):
+        if chosen and job.key != chosen[0].key:
+            continue
+        s, m = max(longest, job.max_prompt_len), max(most, job.max_tokens)
+        if chosen and (rows + len(job.rows) > max_batch or s + m > n_positions):
+            continue  # the oldest job is always taken: if it cannot run, generate() says why
+        chosen.append(job)
+        rows, longest, most = rows + len(job.rows), s, m
+        waiting.remove(job)
+        if rows >= max_batch:
+            break
+    return chosen
+
+
+def advance(row: Row, token: int, runtime_reason: str | None, record: TokenLogprob | None = None) -> None:
+    """Feed one sampled token to a row: decode it, apply the row's stop strings and max_tokens, emit the new
+    text with the log-probs of the tokens that start in it (held back with their text)."""
+    row.n_tokens += 1
+    if row.job.metrics is not None:
+        row.job.metrics.token(row)
+    if row.logprobs is not None and record is not None:
+        row.logprobs.push(record)
+    if runtime_reason == "eos":
+        piece, reason = row.text.finish(), "stop"  # OpenAI reports end-of-text as "stop"
+    else:
+        piece, hit = row.text.push(token)
+        reason = "stop" if hit else None
+        if reason is None and row.n_tokens >= row.job.max_tokens:
+            piece, reason = piece + row.text.finish(), "length"
+    row.sent += len(piece)
+    tokens = None
+    if row.logprobs is not None:
+        tokens = row.logprobs.finish(row.sent) if reason else row.logprobs.take(row.sent)
+    if piece or reason:
+        row.job.emit(Piece(row.choice, piece, reason, row.n_tokens, tokens))
+    row.done = reason is not None
+
+
+def on_step(rows: Sequence[Row], step) -> None:
+    """The Generator's per-step callback: rows are independent; a cancelled job's rows stop being read."""
+    for b, row in enumerate(rows):
+        if row.done:
+            continue
+        if row.job.cancelled:
+            row.done = row.dropped = True  # the runtime keeps decoding the row as padding; nobody reads it
+            continue
+        if not step.active[b]:  # the runtime finished this row without us noticing: end it cleanly
+            advance(row, -1, "eos")
+            continue
+        advance(row, int(step.tokens[b]), step.finished[b], None if step.logprobs is None else step.logprobs[b])
+    if all(r.done for r in rows):
+        raise _BatchDone
+
+
+def fail(jobs: Sequence[Job], message: str) -> None:
+    """Tell every job that still has live rows that it cannot finish; mark its rows done."""
+    for job in jobs:
+        if not job.finished and not job.cancelled:
+            job.emit(Failure(message))
+        for r in job.rows:
+            r.done = True
+
+
+def run_batch(generator, jobs: Sequence[Job]) -> int:
+    """Decode the jobs' rows as one left-padded batch; returns how many rows it had. Never raises."""
+    rows = [r for job in jobs for r in job.rows]
+    max_new = max(job.max_tokens for job in jobs)
+    # the runtime records one N for the batch: the largest asked for; each row keeps the top of its own N
+    top_n = max((job.logprobs for job in jobs if job.logprobs is not None), default=None)
+    try:
+        generator.generate(
+            [r.prompt for r in rows],
+            max_new_tokens=max_new,
+            callback=lambda step: on_step(rows, step),
+            logprobs=top_n,
+            **jobs[0].sampling.generate_kwargs(),
+        )
+    except _BatchDone:
+        pass
+    except Gpt2EdgeError as e:
+        fail(jobs, str(e))
+    except Exception as e:  # the server must stay up: report the failure to these clients only
+        log.exception("batch of %d rows failed", len(rows))
+        fail(jobs, f"Internal error while decoding ({type(e).__name__}); the server is still running.")
+    for row in rows:  # a row the runtime ended (e.g. interrupted) without a final step
+        if not row.done and not row.job.cancelled:
+            advance(row, -1, "eos")
+        row.done = True
+    return len(rows)

@@ -1,0 +1,231 @@
+"""Continuous batching: a request joins the running batch at the next decode step and leaves it when it ends.
+
+The rule, once per decode step: rows whose request ended (or whose client left) free their cache row; waiting
+requests are admitted oldest first while their rows fit the free cache rows (a request's n x prompts rows join
+together) while their prompt tokens stay within --prefill-tokens (the first always joins), prefilled together
+into those rows, and sample their first token; then every live row decodes one token. The prefill budget keeps
+a burst of newcomers from stalling the running rows for one long prefill, and staggers their ends, so later
+arrivals join a few at a time (a closed-loop burst of 64 equal requests would otherwise run as lockstep cohorts:
+next-batch again). So a newcomer waits at most one decode step plus its prefill, not for the whole batch (the next-batch
+Scheduler, kept selectable with --scheduler next-batch, makes it wait for every row of the running batch).
+
+Rows are independent: each keeps its own SamplingParams, and each request its own random generator, drawn in
+the order the runtime draws them for that request alone (one uniform per row of the request per step, finished
+rows included while any row of it runs): a seeded request gives the runtime's text for that seed, whoever
+else is being served. Greedy rows get the tokens they get alone (the cache rows: gpt2edge.runtime.model.slots).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gpt2edge.errors import Gpt2EdgeError
+from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
+from gpt2edge.runtime.decoding.sampling import SamplingParams, next_tokens
+from gpt2edge.runtime.model.lm import OrtGraph
+from gpt2edge.runtime.model.slots import SlotLM
+from gpt2edge.serve.hosting.config import ServeConfig
+from gpt2edge.serve.scheduling.batch import advance, fail
+from gpt2edge.serve.scheduling.jobs import Job, Row
+from gpt2edge.serve.scheduling.penalties import RowPenalties
+from gpt2edge.serve.scheduling.scheduler import Scheduler
+
+log = logging.getLogger("gpt2edge.serve")
+
+
+
+@dataclass(eq=False)
+class _Live:
+    """A job while it has rows in the cache: what its rows need between steps."""
+
+    job: Job
+    params: SamplingParams
+    rng: np.random.Generator
+    recorder: LogprobRecorder | None
+    seen: list[np.ndarray]  # per row of the job: prompt + generated ids (read by history processors)
+    in_cache: list[bool]  # per row of the job: holds a cache row now
+    extras: list[RowPenalties] | None = None  # per row: penalties, logit_bias, stop_token_ids (when asked)
+
+    @property
+    def running(self) -> bool:
+        return any(self.in_cache)
+
+
+class ContinuousScheduler(Scheduler):
+    """Scheduler's interface (submit, start, stop, stats); one thread owns the Generator's graph and a SlotLM."""
+
+    row_extras = True
+
+    def __init__(self, generator, config: ServeConfig) -> None:
+        super().__init__(generator, config)
+        self.slots = SlotLM(generator.graph, self.max_rows)
+        self._cache_rows: list[tuple[_Live, int]] = []  # per cache row: (its job's state, the row's index in the job)
+        self._pending: list[int] = []  # per cache row: the token it feeds at the next step
+        self._live: list[_Live] = []  # jobs with rows in the cache, in admission order
+
+    def _run_next(self) -> bool:
+        """One decode step with whatever joins and leaves around it; False once stopping."""
+        jobs = self._admit()
+        if jobs is None:
+            return False
+        try:
+            if jobs:
+                self._join(jobs)
+            if self._cache_rows:
+                tokens = np.array(self._pending, dtype=np.int64)
+                lp = self.slots.step(tokens)
+                self._stats.steps += 1
+                self._sample(lp, list(range(len(self._cache_rows))))
+        except Gpt2EdgeError as e:
+            self._fail_all(str(e))
+        except Exception as e:  # the server must stay up: report the failure to these clients only
+            log.exception("decode step of %d rows failed", len(self._cache_rows))
+            self._fail_all(f"Internal error while decoding ({type(e).__name__}); the server is still running.")
+        self._release()
+        return True
+
+    def _admit(self) -> list[Job] | None:
+        """Block until a row is live or a job waits; take the waiting jobs that fit the free rows (oldest first)."""
+        with self._cond:
+            while True:
+                if self._closing:
+                    return None
+                self._drop_cancelled()
+                if self._waiting or self._cache_rows:
+                    break
+                self._cond.wait()
+            free, budget, jobs = self.slots.free_rows, self.config.prefill_tokens, []
+            while self._waiting and len(self._waiting[0].rows) <= free and (not jobs or budget > 0):
+                job = self._waiting.popleft()
+                free -= len(job.rows)
+                budget -= sum(r.prompt_len for r in job.rows)
+                jobs.append(job)
+            self._running.extend(jobs)
+            return jobs
+
+    def _join(self, jobs: list[Job]) -> None:
+        """Prefill the jobs' rows into free cache rows, then sample their first tokens."""
+        gen = self.generator
+        first = len(self._cache_rows)
+        prompts = []
+        for job in jobs:
+            params = gen.sampling_params(max_new_tokens=job.max_tokens, **job.sampling.generate_kwargs())
+            rng = np.random.default_rng(params.seed)
+            recorder = None if job.logprobs is None else LogprobRecorder(gen.tokenizer, job.logprobs, 1)
+            ids = [self._prompt_ids(job, row) for row in job.rows]
+            seen = [np.asarray(p, dtype=np.int64) for p in ids]
+            live = _Live(job, params, rng, recorder, seen, [True] * len(job.rows))
+            if job.sampling.row_extras:
+                width = self.slots.columns.width if self.slots.columns is not None else int(gen.graph.vocab_size)
+                live.extras = [RowPenalties(job.sampling, width, self.slots.columns) for _ in job.rows]
+            self._live.append(live)
+            for i in range(len(job.rows)):
+                self._cache_rows.append((live, i))
+                self._pending.append(-1)
+            prompts += ids
+        lp = self.slots.join(prompts, gen.pad_token_id)
+        with self._cond:
+            self._stats.batches += 1
+            self._stats.rows_served += len(prompts)
+        self._sample(lp, list(range(first, len(self._cache_rows))))
+        self._release()  # rows that ended at their first token do not decode another
+
+    def _prompt_ids(self, job: Job, row: Row) -> list[int]:
+        """The row's prompt as token ids (GPT-2 starts an empty prompt from <|endoftext|>, as the runtime does)."""
+        if job.prompt_ids is not None:
+            return list(job.prompt_ids[row.choice // job.n])
+        return self.generator.tokenizer.encode(row.prompt) or [int(self.generator.bos_token_id)]
+
+    def _sample(self, lp: np.ndarray, cache_rows: list[int]) -> None:
+        """lp[j] scores cache row cache_rows[j]: pick each row's token, job by job in the runtime's draw order."""
+        where = {self._cache_rows[c]: j for j, c in enumerate(cache_rows)}
+        for c in cache_rows:
+            self._pending[c] = -1
+        columns = self.slots.columns
+        for live in {self._cache_rows[c][0]: None for c in cache_rows}:  # each job once, in cache order
+            for i, row in enumerate(live.job.rows):
+                j = where.get((live, i))
+                if j is None:  # a finished row of a running job: the runtime still draws for it
+                    if not live.params.greedy and live.running:
+                        live.rng.random()
+                    continue
+                scores = lp[j : j + 1]
+                adjusted = scores if live.extras is None else live.extras[i].apply(scores, row.n_tokens)
+                token = int(next_tokens(adjusted, live.params, [live.seen[i]], row.n_tokens, live.rng, columns)[0])
+                if live.extras is not None:
+                    live.extras[i].push(token)
+                record = None
+                if live.recorder is not None:
+                    record = live.recorder.record(scores, np.array([token]), [True], columns)[0]
+                    live.recorder.rows[0].clear()  # the row keeps its own records (Row.logprobs)
+                if live.params.uses_history:
+                    live.seen[i] = np.append(live.seen[i], token)
+                eos = token in live.params.eos_token_id or token in live.job.sampling.stop_token_ids
+                if not row.done and not live.job.cancelled:
+                    advance(row, token, "eos" if eos else None, record)
+                self._pending[cache_rows[j]] = token
+
+    def _release(self) -> None:
+        """Free the cache rows of finished rows and of clients that left (the last row moves into the hole)."""
+        dropped = 0
+        for c in reversed(range(len(self._cache_rows))):
+            live, i = self._cache_rows[c]
+            row = live.job.rows[i]
+            if live.job.cancelled and not row.done:
+                row.done = row.dropped = True
+                dropped += 1
+            if not row.done:
+                continue
+            moved = self.slots.free(c)
+            if moved is not None:
+                self._cache_rows[c], self._pending[c] = self._cache_rows[moved], self._pending[moved]
+            self._cache_rows.pop()
+            self._pending.pop()
+            live.in_cache[i] = False
+        ended = [live for live in self._live if not live.running]
+        if ended:
+            self._live = [live for live in self._live if live.running]
+        with self._cond:
+            self._stats.dropped_rows += dropped
+            self._stats.largest_batch = max(self._stats.largest_batch, len(self._cache_rows))
+            if ended:
+                done = {id(live.job) for live in ended}
+                self._running = [j for j in self._running if id(j) not in done]
+
+    def _fail_all(self, message: str) -> None:
+        """A failed step: every job in the cache is told, and the cache is emptied."""
+        fail([live.job for live in self._live], message)
+        for c in reversed(range(len(self._cache_rows))):
+            self._cache_rows[c][0].job.rows[self._cache_rows[c][1]].done = True
+
+    def stats(self) -> dict:
+        out = super().stats()
+        with self._cond:
+            out["running"] = len(self._cache_rows)
+        out.update({f"cache_{k}_s": round(v, 4) for k, v in self.slots.seconds.items()})
+        out["cache_relayouts"] = self.slots.relayouts
+        return out
+
+
+def load_scheduler(
+    model_dir: str | Path, config: ServeConfig, device: str = "cpu", threads: int | None = None, verify: bool = True
+) -> Scheduler:
+    """Load the folder's Generator and wrap it in the scheduler config.scheduler names."""
+    from gpt2edge.runtime import Generator
+
+    return make_scheduler(Generator(model_dir, device=device, threads=threads, verify=verify), config)
+
+
+def make_scheduler(generator, config: ServeConfig) -> Scheduler:
+    """The scheduler config.scheduler names; continuous batching needs a dynamic export on the CPU, and falls
+    back to next-batch (with a log line) elsewhere (a --static folder, CUDA)."""
+    if config.scheduler == "continuous":
+        if isinstance(generator.graph, OrtGraph) and generator.graph.device == "cpu":
+            return ContinuousScheduler(generator, config)
+        log.warning("continuous batching needs a dynamic export on the CPU; using the next-batch scheduler")
+    return Scheduler(generator, config)
+

@@ -1,0 +1,156 @@
+"""A parsed request checked against this model and server: what to decode, or a 4xx that says how to fix it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpt2edge.serve.api.protocol import ApiError, CompletionRequest
+from gpt2edge.serve.hosting.config import MAX_LOGPROBS, MAX_STOP, ServeConfig
+from gpt2edge.serve.scheduling.jobs import Sampling
+from gpt2edge.serve.scheduling.sampling_fields import sampling_from
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class Plan:
+    prompts: list[str]
+    prompt_lens: list[int]
+    prompt_ids: list[list[int]]
+    n: int
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    echo: bool
+    logprobs: int | None  # report each generated token's log-prob and its top N (0: the token's only)
+
+
+def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
+    """OpenAI fields this server cannot honour are accepted only at their neutral value."""
+    if req.suffix:
+        raise ApiError(400, "suffix (insertion) is not supported by GPT-2; omit it.", "suffix", "unsupported")
+    if req.best_of not in (None, n):
+        raise ApiError(400, f"best_of is not supported; omit it or set it equal to n ({n}).", "best_of", "unsupported")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true.", "stream_options", "invalid_value")
+
+
+def _check_logprobs(req: CompletionRequest) -> None:
+    """0 .. MAX_LOGPROBS, and not with echo: the runtime scores generated tokens, not the prompt's."""
+    if req.logprobs is None:
+        return
+    if req.logprobs > MAX_LOGPROBS:
+        raise ApiError(
+            400,
+            f"logprobs must be at most {MAX_LOGPROBS} on this server (OpenAI's limit), got {req.logprobs}.",
+            "logprobs",
+            "invalid_value",
+        )
+    if req.echo:
+        raise ApiError(
+            400,
+            "echo with logprobs is not supported: this server reports log-probs of generated tokens only (prompt "
+            "tokens are not scored); drop echo, or logprobs.",
+            "logprobs",
+            "unsupported",
+        )
+
+
+def _max_tokens(req: CompletionRequest, n_positions: int) -> int:
+    """OpenAI's default 16; 0 only with echo (the prompt comes back, nothing is decoded)."""
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    if max_tokens == 0 and not req.echo:
+        raise ApiError(
+            400,
+            "max_tokens 0 asks for no completion, and without echo there is nothing to return; send max_tokens "
+            ">= 1, or echo: true to get the prompt back.",
+            "max_tokens",
+            "invalid_value",
+        )
+    if max_tokens >= n_positions:
+        raise ApiError(
+            400,
+            f"max_tokens must be less than the model's {n_positions} positions (the prompt needs at least one), "
+            f"got {max_tokens}.",
+            "max_tokens",
+            "invalid_value",
+        )
+    return max_tokens
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(strings) > MAX_STOP:
+        raise ApiError(400, f"stop takes at most {MAX_STOP} strings, got {len(strings)}.", "stop", "invalid_value")
+    if any(not s for s in strings):
+        raise ApiError(400, "stop strings must not be empty.", "stop", "invalid_value")
+    return tuple(strings)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against beside the server's limits: the model's positions, the rows one
+    request may take (a static graph's batch), its vocabulary, and whether the scheduler applies the per-row
+    extras (penalties, logit_bias, stop_token_ids). encode gives an empty prompt its start token."""
+
+    n_positions: int
+    max_rows: int
+    vocab_size: int
+    encode: Callable[[str], list[int]]
+    row_extras: bool = True
+
+
+def plan_request(
+    req: CompletionRequest, config: ServeConfig, limits: ModelLimits, prompts: list[str] | None = None
+) -> Plan:
+    """Check the request against the model and the server's limits; encode the prompts (`prompts`: the ones a
+    chat template rendered, instead of req.prompt)."""
+    max_rows, n_positions = limits.max_rows, limits.n_positions
+    if req.model is not None and req.model != config.model_name:
+        raise ApiError(
+            404,
+            f"The model '{req.model}' does not exist here; this server serves '{config.model_name}' (GET /v1/models).",
+            "model",
+            "model_not_found",
+        )
+    n = 1 if req.n is None else req.n
+    _refuse_unsupported(req, n)
+    if n > config.max_n:
+        raise ApiError(400, f"n must be at most {config.max_n} on this server, got {n}.", "n", "invalid_value")
+    if prompts is None:
+        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+    if not prompts:
+        raise ApiError(400, "prompt must not be an empty list.", "prompt", "invalid_value")
+    if len(prompts) * n > max_rows:
+        why = "" if max_rows == config.max_batch else " (its static graph's batch)"
+        raise ApiError(
+            400,
+            f"This request asks for {len(prompts) * n} completions ({len(prompts)} prompt(s) x n={n}); this server "
+            f"decodes at most {max_rows} per request{why}. Split it into several requests.",
+            "n",
+            "invalid_value",
+        )
+    _check_logprobs(req)
+    stop = _stop_strings(req.stop)
+    max_tokens = _max_tokens(req, n_positions)
+    if req.min_tokens is not None and req.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens",
+                       "invalid_value")  # fmt: skip
+    sampling = sampling_from(req, limits.vocab_size, limits.row_extras)
+    ids = [list(limits.encode(p)) for p in prompts]
+    lens = [len(i) for i in ids]
+    for i, plen in enumerate(lens):
+        if plen + max_tokens > n_positions:
+            which = "The prompt" if len(prompts) == 1 else f"Prompt {i}"
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {n_positions} tokens. {which} has {plen} tokens and "
+                f"max_tokens is {max_tokens}; shorten the prompt or lower max_tokens.",
+                "prompt",
+                "context_length_exceeded",
+            )
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Plan(prompts, lens, ids, n, max_tokens, sampling, stop, req.stream, include_usage, req.echo, req.logprobs)
