@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpt2edge.serve.api.completions import Meta, respond
 from gpt2edge.serve.api.http import read_body
-from gpt2edge.serve.api.protocol import ApiError, Bias, CompletionRequest, StreamOptions, parse_body
+from gpt2edge.serve.api.protocol import ApiError, CompletionRequest, SamplingFields, StreamOptions, parse_body
 from gpt2edge.serve.scheduling.logprobs import FLOOR, TokenEntry
 from gpt2edge.serve.scheduling.plan import Plan
 
@@ -40,34 +40,14 @@ class Message(BaseModel):
     name: str | None = None
 
 
-class ChatRequest(BaseModel):
-    """OpenAI's chat request; the sampling extras are the completion request's (sampling_fields.py)."""
+class ChatRequest(SamplingFields):
+    """OpenAI's chat request: the completion request's sampling fields, and messages in place of a prompt."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     messages: list[Message] = Field(min_length=1, max_length=1024)
-    model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(None, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**64)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, Bias] | None = Field(None, max_length=1024)
-    user: str | None = None
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    typical_p: float | None = Field(None, gt=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
-    min_tokens: int | None = Field(None, ge=0)
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
-    ignore_eos: bool = False
 
 
 class ChatShape:
@@ -117,7 +97,7 @@ async def chat_completions(request: Request) -> Response:
     folder = None if scheduler is None else scheduler.generator.folder.path
     prompt = render(ChatTemplate.find(folder, config.chat_template), [m.model_dump(exclude_none=True)
                                                                        for m in req.messages])  # fmt: skip
-    fields = req.model_dump(exclude={"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+    fields = req.model_dump(include=set(SamplingFields.model_fields))  # the fields a completion shares
     fields["max_tokens"] = req.max_completion_tokens or req.max_tokens
     fields["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
     if fields["stream_options"] is not None:

@@ -40,14 +40,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions. Unknown fields are refused; fields OpenAI has that this server cannot honour are
-    accepted only at their neutral value (plan.py says which). ignore_eos is an extension."""
+class SamplingFields(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share: OpenAI's sampling knobs and vLLM's and
+    llama-server's extras (sampling_fields.py: their off values). Unknown fields are refused."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    prompt: str | list[str]
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (plan.py)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(None, ge=1)
@@ -55,15 +53,10 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0)  # at most MAX_LOGPROBS (plan.py)
-    best_of: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Bias] | None = Field(None, max_length=1024)
-    suffix: str | None = None
     user: str | None = None
-    # vLLM's and llama-server's extras (sampling_fields.py: their off values)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     typical_p: float | None = Field(None, gt=0, le=1)
@@ -71,6 +64,18 @@ class CompletionRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = Field(None, max_length=64)
     ignore_eos: bool = False
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. Fields OpenAI has that this server cannot honour are accepted only at their neutral
+    value (plan.py says which). ignore_eos is an extension."""
+
+    prompt: str | list[str]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (plan.py)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)  # at most MAX_LOGPROBS (plan.py)
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 _HINTS = {
