@@ -39,8 +39,14 @@ def greedy(folder, n=8):
 
 def test_external_export_validates_loads_and_generates_like_one_file(external_export, tiny_export_shared):
     m = onnx.load(str(external_export / "model.onnx"), load_external_data=False)
-    assert all(i.data_location == onnx.TensorProto.EXTERNAL for i in m.graph.initializer if np.prod(i.dims) > 4096)
-    assert (external_export / "model.onnx.data").stat().st_size > 10 * (external_export / "model.onnx").stat().st_size
+    big = [i for i in m.graph.initializer if np.prod(i.dims) > 4096]
+    assert big and all(i.data_location == onnx.TensorProto.EXTERNAL for i in big)
+    # every byte of those weights is in the data file, and what the graph file keeps inline is a tenth of that at
+    # most (the graph file's own size is not the measure: torch records stack traces with the checkout's path)
+    itemsize = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.data_type).itemsize for i in big}
+    weight_bytes = sum(int(np.prod(i.dims)) * itemsize[i.name] for i in big)
+    assert (external_export / "model.onnx.data").stat().st_size >= weight_bytes
+    assert 10 * sum(i.ByteSize() for i in m.graph.initializer) < weight_bytes
     assert greedy(external_export) == greedy(tiny_export_shared)  # same weights, same greedy tokens
 
 
