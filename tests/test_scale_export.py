@@ -74,6 +74,67 @@ def test_quantize_streams_from_external_parent(external_export, tmp_path, monkey
     greedy(out)
 
 
+@pytest.fixture(scope="module")
+def external_concat(tiny_export, tmp_path_factory):
+    """tiny_export (a --kv-cache concat export, what fp16 is made from) rewritten with its weights in
+    model.onnx.data, the manifest's files and checksums renewed: an fp32 parent as gpt2-large/xl's are (the
+    LayerNorm vectors outside too, as a 1600-wide model's are)."""
+    import json
+    import shutil
+
+    from gpt2edge.manifest import write_manifest
+    from gpt2edge.onnx_io import stream
+
+    out = tmp_path_factory.mktemp("extc") / "fp32"
+    shutil.copytree(tiny_export, out)
+    model = stream.load_graph(tiny_export / "model.onnx")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "INLINE_BELOW", 64)  # the LayerNorm vectors outside too (shape constants stay inline)
+        files = stream.save_streaming(model, out / "model.onnx", stream.passthrough(tiny_export), external=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["graph"]["files"] = files
+    write_manifest(out, {k: v for k, v in manifest.items() if k != "files"})
+    return out
+
+
+@pytest.mark.parametrize("variant_external", [False, True])
+def test_fp16_streams_from_external_parent(external_concat, tiny_export, tmp_path, monkeypatch, variant_external):
+    """fp16 of an external-data parent: each weight is rounded as it is written (never the model in memory),
+    to exactly the tensors ONNX Runtime's converter makes from the fully loaded graph, within fp16's thresholds."""
+    from onnx import numpy_helper
+
+    from gpt2edge.quantize import graph as quantize_graph
+    from gpt2edge.quantize import half
+
+    ref = tmp_path / "ref"  # the one-file parent, loaded whole: the converter rounds every weight itself
+    quantize_model(tiny_export, ref, make_recipe("fp16"), report=False, log=None)
+    rounded = []
+    real = half.round_fp16
+    monkeypatch.setattr(half, "round_fp16", lambda w: rounded.append(w.size) or real(w))
+    monkeypatch.setattr(half, "CHUNK", 1000)  # several chunks per matrix
+    if variant_external:
+        monkeypatch.setattr(quantize_graph, "EXTERNAL_DATA_THRESHOLD", 0)
+    out = tmp_path / "fp16"
+    manifest = quantize_model(external_concat, out, make_recipe("fp16"), log=None)
+    assert manifest["graph"]["files"] == (["model.onnx", "model.onnx.data"] if variant_external else ["model.onnx"])
+    assert manifest["graph"]["precision"] == "fp16" and manifest["graph"]["kv_dtype"] == "float16"
+
+    def tensors(folder):
+        return {i.name: numpy_helper.to_array(i) for i in onnx.load(str(folder / "model.onnx")).graph.initializer}
+
+    got, want = tensors(out), tensors(ref)
+    a, b = (onnx.load(str(f / "model.onnx"), load_external_data=False).graph for f in (out, ref))
+    assert a.node == b.node and a.value_info == b.value_info and a.output == b.output
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        assert got[name].dtype == w.dtype and np.array_equal(got[name], w), name
+    n_half = sum(w.dtype == np.float16 and w.nbytes >= 2048 for w in want.values())
+    assert n_half and len(rounded) >= n_half  # the big fp16 tensors were rounded on the way out
+    q = manifest["quality"]  # test_quantize's fp16 thresholds
+    assert q["mean_kl"] <= 1e-4 and q["top1_agreement"] >= 0.99 and q["max_abs_logprob_diff"] <= 5e-2, q
+    assert greedy(out) == greedy(ref)
+
+
 def test_truncated_or_missing_external_data_is_refused(external_export, tmp_path):
     import shutil
 

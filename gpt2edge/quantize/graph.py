@@ -28,25 +28,29 @@ def payload_bytes(model: onnx.ModelProto) -> int:
     return total
 
 
-def save_model(model: onnx.ModelProto, path: Path, base_dir: Path | None = None) -> list[str]:
+def save_model(model: onnx.ModelProto, path: Path, base_dir: Path | None = None, bytes_of=None) -> list[str]:
     """Write `model` to `path`, weights in `<name>.data` when over 2 GB; returns the file names written.
 
     Streamed tensor by tensor (gpt2edge.onnx_io.stream): initializers still stored outside are read from
-    `base_dir` (the parent's graph folder) one at a time; the message is never serialized with its weights."""
+    `base_dir` (the parent's graph folder) one at a time, or made by `bytes_of` (a rewrite that converts each
+    tensor as it is written, e.g. fp16); the message is never serialized with its weights."""
     from gpt2edge.onnx_io.stream import passthrough, save_streaming
 
     path = Path(path)
     external = payload_bytes(model) > EXTERNAL_DATA_THRESHOLD  # read at call time: tests lower it
-    return save_streaming(model, path, passthrough(Path(base_dir or path.parent)), external=external)
+    bytes_of = bytes_of or passthrough(Path(base_dir or path.parent))
+    return save_streaming(model, path, bytes_of, external=external)
 
 
-def write_variant(model: onnx.ModelProto, parent: Manifest, src: Path, tmp: Path) -> list[str]:
+def write_variant(model: onnx.ModelProto, parent: Manifest, src: Path, tmp: Path, bytes_of=None) -> list[str]:
     """A variant folder's files in `tmp`: `model` where the parent keeps its graph, and the parent's other files
-    (tokenizer, configs) copied unchanged. Returns the graph files written, relative to the folder."""
+    (tokenizer, configs) copied unchanged. Returns the graph files written, relative to the folder. `bytes_of`:
+    see save_model (default: the parent's bytes as they are)."""
     graph_dir = PurePosixPath(parent.graph.file).parent  # "." unless the parent keeps its graph in a subfolder
     (tmp / graph_dir).mkdir(parents=True, exist_ok=True)
     base = resolve_inside(src, parent.graph.file).parent  # where the parent's external data is read from
-    files = [(graph_dir / f).as_posix() for f in save_model(model, tmp / parent.graph.file, base_dir=base)]
+    written = save_model(model, tmp / parent.graph.file, base_dir=base, bytes_of=bytes_of)
+    files = [(graph_dir / f).as_posix() for f in written]
     for name in parent.files:
         if name not in parent.graph.files:
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)

@@ -50,8 +50,6 @@ def quantize_model(
     """Write the `recipe` variant of export folder `src` to `out`; returns the new manifest. A `text` is recorded
     in the new folder for later reports (gpt2edge.report_text); `text_source` names it in the report."""
     require_extra("quantize", "quantize")
-    import onnx
-
     from gpt2edge.quality import check_report_text, compare_folders, print_report
 
     src, out = path_arg(src, "src"), path_arg(out, "out")  # a TypeError names a wrong type
@@ -95,15 +93,17 @@ def quantize_model(
 
     with Progress(3 if report else 2, f"quantize {recipe.mode}", file=sys.stderr) as bar:  # periodic lines off a TTY
         graph_path = resolve_inside(src, info.graph.file)
+        from gpt2edge.onnx_io.stream import load_graph
+
+        # streamed: the graph without its external data; each weight is read when it is rewritten or written
+        bytes_of = None  # the writer copies what the rewrite left as a reference to the parent
         if recipe.mode == "fp16":
             from gpt2edge.quantize.half import to_fp16
 
-            variant = to_fp16(onnx.load(str(graph_path)))  # ONNX Runtime's converter wants every weight loaded
+            variant, bytes_of = to_fp16(load_graph(graph_path), graph_path.parent)  # rounded as it is written
         else:
-            from gpt2edge.onnx_io.stream import load_graph
             from gpt2edge.quantize.weight_only import quantize_weights
 
-            # streamed: the graph without its external data; each matrix is read when it is quantized
             variant = quantize_weights(
                 load_graph(graph_path),
                 recipe.weight_bits,
@@ -120,7 +120,7 @@ def quantize_model(
         with atomic_output_dir(out, force=force, sources=[src]) as tmp:
             from gpt2edge.quantize.graph import write_variant
 
-            files = write_variant(variant, info, src, tmp)
+            files = write_variant(variant, info, src, tmp, bytes_of=bytes_of)
             del variant
             if text is not None:
                 record_text(tmp, text)
