@@ -35,7 +35,8 @@ def dynamic_int8(src: Path, out: Path) -> Path:
         op_types_to_quantize=["MatMul", "Gemm"],
         extra_options={"MatMulConstBOnly": True},
     )
-    manifest["graph"] = {**manifest["graph"], "precision": "int8-dynamic", "files": [manifest["graph"]["file"]]}
+    # "int8": the manifest's precisions are fp32/fp16/int8/int4 (the record of how is the graph itself)
+    manifest["graph"] = {**manifest["graph"], "precision": "int8", "files": [manifest["graph"]["file"]]}
     manifest["graph"].pop("decode_weight_bytes", None)
     write_manifest(out, {k: v for k, v in manifest.items() if k != "files"})
     return out

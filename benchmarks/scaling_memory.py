@@ -2,11 +2,14 @@
 measures them, against the fp32 weight bytes.
 
     python benchmarks/scaling_memory.py ROOT [--sizes small medium large xl] [--tokenizer DIR] [--table-only]
+        [--steps ckpt export int4 int8 run-fp32 run-int8 run-int4] [--times DIR]
 
 For each size: ROOT/ckpt-SIZE (random-checkpoint --size SIZE), ROOT/SIZE-fp32 (export --kv-cache shared, with
-validation), ROOT/SIZE-int4 and ROOT/SIZE-int8 (quantize --no-report); each run's `time -v` output is kept as
-ROOT/time-STEP-SIZE.txt. Before each step it checks `free` (MemAvailable): gpt2edge refuses a step that does not
-fit by itself. --table-only: print the table from the time files already there. (Debian: apt-get install time.)
+validation), ROOT/SIZE-int4 and ROOT/SIZE-int8 (quantize --no-report); run-PRECISION (not by default):
+`generate` 16 tokens from ROOT/SIZE-PRECISION, the RAM to run it. Each run's `time -v` output is kept as
+ROOT/time-STEP-SIZE.txt (--times DIR: in DIR instead, e.g. to time read-only folders). Before each step it
+checks `free` (MemAvailable): gpt2edge refuses a step that does not fit by itself. --table-only: print the
+table from the time files already there. (Debian: apt-get install time.)
 """
 
 from __future__ import annotations
@@ -27,6 +30,14 @@ STEPS = {
     "int8": lambda root, s, tok: ["quantize", f"{root}/{s}-fp32", "-o", f"{root}/{s}-int8", "--mode", "int8",
                                   "--no-report", "--force"],  # fmt: skip
 }
+
+
+def _run(precision: str):
+    """The RAM to run a folder: load ROOT/SIZE-PRECISION and generate a few tokens."""
+    return lambda root, s, tok: ["generate", f"{root}/{s}-{precision}", "-p", "Hello", "--max-new-tokens", "16"]
+
+
+RUNS = {f"run-{p}": _run(p) for p in ("fp32", "fp16", "int8", "int4")}
 
 
 def parse_time(path: Path) -> tuple[float, float] | None:
@@ -57,20 +68,25 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["small", "medium", "large", "xl"])
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--steps", nargs="+", choices=[*STEPS, *RUNS], default=list(STEPS))
+    ap.add_argument("--times", type=Path, default=None, help="where the time-STEP-SIZE.txt files go (default ROOT)")
     args = ap.parse_args()
+    times = args.times or args.root
+    steps = {**STEPS, **RUNS}
     exe = str(Path(sys.executable).with_name("gpt2edge"))
     if not args.table_only:
         for size in args.sizes:
-            for step, argv in STEPS.items():
+            for step in args.steps:
+                argv = steps[step]
                 subprocess.run(["free", "-g"], check=False)
-                out = args.root / f"time-{step}-{size}.txt"
+                out = times / f"time-{step}-{size}.txt"
                 subprocess.run(["/usr/bin/time", "-v", "-o", str(out), exe, *argv(args.root, size, args.tokenizer)])
     print("| size | fp32 weights GB | step | peak RSS GB | ÷ weights | wall s |")
     print("|---|---|---|---|---|---|")
     for size in args.sizes:
         w = weight_bytes(size) / 1e9
-        for step in STEPS:
-            got = parse_time(args.root / f"time-{step}-{size}.txt")
+        for step in args.steps:
+            got = parse_time(times / f"time-{step}-{size}.txt")
             if got is not None:
                 print(f"| {size} | {w:.2f} | {step} | {got[0]:.2f} | {got[0] / w:.2f} | {got[1]:.0f} |")
 

@@ -138,18 +138,26 @@ def test_fp16_streams_from_external_parent(external_concat, tiny_export, tmp_pat
 def test_truncated_or_missing_external_data_is_refused(external_export, tmp_path):
     import shutil
 
-    for damage in ("truncate", "remove"):
+    for damage in ("truncate", "remove", "flip"):
         bad = tmp_path / damage
         shutil.copytree(external_export, bad)
         data = bad / "model.onnx.data"
         if damage == "truncate":
             with open(data, "r+b") as f:
                 f.truncate(data.stat().st_size // 2)
+        elif damage == "flip":  # same size, one weight's byte changed: only the checksum can tell
+            with open(data, "r+b") as f:
+                f.seek(data.stat().st_size // 2)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0x40]))
         else:
             data.unlink()
         res = CliRunner().invoke(main, ["generate", str(bad), "-p", "Hi", "--max-new-tokens", "2"])
         assert res.exit_code != 0 and "model.onnx.data" in res.output, res.output
         assert res.output.startswith("error:") or "\nerror:" in res.output, res.output
+        if damage == "flip":
+            assert "checksum" in res.output or "sha256" in res.output, res.output
         out = tmp_path / f"q-{damage}"
         res = CliRunner().invoke(main, ["quantize", str(bad), "-o", str(out), "--mode", "int4", "--no-report"])
         assert res.exit_code != 0 and not out.exists(), res.output
@@ -235,6 +243,29 @@ def test_too_little_disk_is_refused_before_work(tiny_checkpoint, tmp_path, monke
     assert res.exit_code == 1 and not out.exists() and "free on the disk" in res.output, res.output
 
 
+@pytest.mark.parametrize("short", ["memory", "disk"])
+@pytest.mark.parametrize("command", ["export", "random-checkpoint", "int4", "int8", "fp16"])
+def test_every_writer_refuses_a_short_machine_before_work(tiny_checkpoint, tiny_export, tmp_path, monkeypatch,
+                                                          short, command):  # fmt: skip
+    """export, random-checkpoint and quantize (each mode) check memory and disk first: one line naming the
+    shortage, nothing written, not even a temporary folder."""
+    from gpt2edge import resources
+
+    if short == "memory":
+        monkeypatch.setattr(resources, "available_memory", lambda: 1)
+    else:
+        monkeypatch.setattr(resources, "free_disk", lambda path: 1000)
+    out = tmp_path / "out"
+    args = {
+        "export": ["export", "-m", str(tiny_checkpoint), str(out)],
+        "random-checkpoint": ["random-checkpoint", str(out), "--size", "small"],
+    }.get(command, ["quantize", str(tiny_export), "-o", str(out), "--mode", command])
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 1 and list(tmp_path.iterdir()) == [], res.output
+    line = res.output.strip().splitlines()[-1]
+    assert line.startswith("error:") and ("GB of memory" if short == "memory" else "free on the disk") in line, line
+
+
 def test_estimates_grow_linearly_and_match_the_shapes():
     from gpt2edge.export.random_checkpoint import SIZES
     from gpt2edge.resources import export_need, n_parameters, quantize_need
@@ -244,7 +275,8 @@ def test_estimates_grow_linearly_and_match_the_shapes():
     xl = 4 * params["xl"]
     need = export_need(xl, True, 1_900_000_000)
     assert need.memory <= 2.5 * xl and need.lighter is not None
-    assert quantize_need(xl, "int4", report=False).memory <= 1.5 * xl
+    for mode in ("fp16", "int8", "int4"):  # streamed, every mode
+        assert quantize_need(xl, mode, report=False).memory <= 1.5 * xl, mode
 
 
 def test_ort_format_of_a_graph_over_2gb_is_refused(tiny_export, tmp_path, monkeypatch):
@@ -255,6 +287,18 @@ def test_ort_format_of_a_graph_over_2gb_is_refused(tiny_export, tmp_path, monkey
     res = CliRunner().invoke(main, ["convert", str(tiny_export), "-o", str(out), "--format", "ort"])
     assert res.exit_code == 1 and not out.exists()
     assert "Quantize it first" in res.output and "2 GB" in res.output, res.output
+
+
+def test_ort_format_counts_the_external_data(external_export, tmp_path, monkeypatch):
+    """The size that refuses ORT format is the graph's weights, not its small model.onnx beside model.onnx.data."""
+    from gpt2edge.convert import ort_format
+
+    graph_file = (external_export / "model.onnx").stat().st_size
+    assert graph_file < (external_export / "model.onnx.data").stat().st_size
+    monkeypatch.setattr(ort_format, "MAX_ORT_BYTES", graph_file + 1)  # the .onnx alone would pass
+    out = tmp_path / "ort"
+    res = CliRunner().invoke(main, ["convert", str(external_export), "-o", str(out), "--format", "ort"])
+    assert res.exit_code == 1 and not out.exists() and "Quantize it first" in res.output, res.output
 
 
 def test_self_contained_graph_is_scanned_not_loaded(tiny_export, tmp_path, monkeypatch):
