@@ -317,6 +317,13 @@ def test_self_contained_graph_is_scanned_not_loaded(tiny_export, tmp_path, monke
     for a, b in zip(scanned.graph.initializer, loaded.graph.initializer):
         assert np.array_equal(onnx_stream.tensor_array(a, tiny_export), numpy_helper.to_array(b)), a.name
     quantize_model(tiny_export, tmp_path / "scan", make_recipe("int4"), report=False, log=None)
+    # the manifest's decode bytes come from the scanned graph too (never the weights loaded), and agree
+    from gpt2edge.onnx_io.stats import decode_weight_bytes
+
+    with monkeypatch.context() as mp:
+        mp.setattr(onnx, "load", None)  # a 1.5 GB graph loaded whole here held it twice (fp16 of gpt2-large)
+        scanned_bytes = decode_weight_bytes(path)
     monkeypatch.setattr(onnx_stream, "SCAN_ABOVE", 1 << 62)
+    assert decode_weight_bytes(path) == scanned_bytes > 0
     quantize_model(tiny_export, tmp_path / "load", make_recipe("int4"), report=False, log=None)
     assert (tmp_path / "scan" / "model.onnx").read_bytes() == (tmp_path / "load" / "model.onnx").read_bytes()

@@ -23,11 +23,13 @@ def decode_weight_bytes(path: Path) -> int:
     """Bytes of weights one decode step must read: every initializer once at its stored width, except
     tables that only Gathers read (an embedding lookup touches a few rows, not the table).
 
-    Reads shapes and types only (external data is not loaded)."""
-    import onnx
+    Reads shapes and types only: external data is not loaded, and a self-contained file is scanned, its weights
+    left in the file (onnx.load would hold a 1.5 GB graph twice: the file's bytes and the parsed message)."""
     from onnx.helper import tensor_dtype_to_np_dtype
 
-    model = onnx.load(str(path), load_external_data=False)
+    from gpt2edge.onnx_io.stream import load_graph
+
+    model = load_graph(Path(path))
     readers = reader_ops(model.graph)
     total = 0
     for init in model.graph.initializer:
