@@ -1,10 +1,11 @@
 """The int4 recipe's levers, kernel by kernel: MatMulNBits' cost per bits / block size / accuracy level /
-zero points, for one decode step (M = 1) and a 128-token prefill (M = 128), on GPT-2 small's shapes.
+zero points, for one decode step (M = 1) and a 128-token prefill (M = 128), on a GPT-2 size's shapes (default small).
 
-    python benchmarks/int4_levers.py [--threads 2] [--rounds 3] [--repeat 40] [--only layers|head] [--json]
+    python benchmarks/int4_levers.py [--size small|medium|large|xl] [--threads 2] [--rounds 3] [--repeat 40]
+        [--only layers|head] [--json]
 
-Two parts, timed separately: `layers` (12 x qkv / proj / fc / fc-proj, the block matmuls) and `head` (the
-tied 50,257 x 768 table, read once per step). Every variant's graph is written once to a temporary folder,
+Two parts, timed separately: `layers` (n_layer x qkv / proj / fc / fc-proj, the block matmuls) and `head`
+(the tied 50,257 x n_embd table, read once per step). Every variant's graph is written once to a temporary folder,
 then timed in its own process (ONNX Runtime's spinning thread pools would slow a neighbour), variants
 alternating in `--rounds` interleaved rounds, each timing under `flock $BENCH_LOCK` (/tmp/bench.lock) so that
 other benchmarks on a shared host do not overlap it. Prints the median and range over the rounds of each
@@ -28,8 +29,11 @@ from pathlib import Path
 import numpy as np
 from bench_lock import run_locked
 
-C, LAYERS, VOCAB = 768, 12, 50257
-BLOCK_SHAPES = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]  # (K, N): qkv, attn proj, fc, fc proj
+VOCAB = 50257
+
+
+def block_shapes(c: int) -> list[tuple[int, int]]:
+    return [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)]  # (K, N): qkv, attn proj, fc, fc proj
 FLUSH_BYTES = 96 << 20  # written between timed runs: more than the last-level cache (32 MB here)
 
 
@@ -49,8 +53,9 @@ class Variant:
         return f"{self.part} q{self.bits} b{self.block} L{self.level} {zp}"
 
 
-def build(v: Variant, path: Path) -> int:
-    """Write variant `v`'s graph to `path`; returns the bytes its weights take (one decode step's read)."""
+def build(v: Variant, path: Path, c: int = 768, layers: int = 12) -> int:
+    """Write variant `v`'s graph (width `c`, `layers` blocks) to `path`; returns the bytes its weights take
+    (one decode step's read)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -77,13 +82,14 @@ def build(v: Variant, path: Path) -> int:
 
     x, outputs = "x", []
     if v.part == "head":
-        outputs.append(matmul(x, C, VOCAB, "head"))
+        outputs.append(matmul(x, c, VOCAB, "head"))
     else:
-        for layer in range(LAYERS):
+        shapes = block_shapes(c)
+        for layer in range(layers):
             p = f"h{layer}"
-            outputs.append(matmul(x, *BLOCK_SHAPES[0], f"{p}.qkv"))  # kept as an output: ORT computes it
-            attn = matmul(x, *BLOCK_SHAPES[1], f"{p}.proj")
-            mlp = matmul(matmul(x, *BLOCK_SHAPES[2], f"{p}.fc"), *BLOCK_SHAPES[3], f"{p}.fcproj")
+            outputs.append(matmul(x, *shapes[0], f"{p}.qkv"))  # kept as an output: ORT computes it
+            attn = matmul(x, *shapes[1], f"{p}.proj")
+            mlp = matmul(matmul(x, *shapes[2], f"{p}.fc"), *shapes[3], f"{p}.fcproj")
             nodes += [
                 helper.make_node("Add", [x, attn], [f"{p}.a"]),
                 helper.make_node("Add", [f"{p}.a", mlp], [f"{p}.x"]),
@@ -93,7 +99,7 @@ def build(v: Variant, path: Path) -> int:
     graph = helper.make_graph(
         nodes,
         "levers",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", C])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", c])],
         [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
         inits,
     )
@@ -109,7 +115,8 @@ def time_model(path: str, threads: int, tokens: int, repeat: int) -> list[tuple[
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-    x = np.random.default_rng(1).standard_normal((tokens, C)).astype(np.float32)
+    width = sess.get_inputs()[0].shape[1]  # n_embd of the graph built
+    x = np.random.default_rng(1).standard_normal((tokens, width)).astype(np.float32)
     flush = np.ones(FLUSH_BYTES // 4, dtype=np.float32)
     for _ in range(max(3, repeat // 10)):
         sess.run(None, {"x": x})
@@ -162,6 +169,7 @@ def summarize(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=("small", "medium", "large", "xl"), default="small")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=40)
@@ -174,7 +182,11 @@ def main() -> None:
     results: dict[tuple[Variant, int], list[dict[str, float]]] = {}
     others: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        sizes = {v: build(v, Path(tmp) / f"{i}.onnx") for i, v in enumerate(variants)}
+        from gpt2edge.export.random_checkpoint import SIZES
+
+        c, layers = SIZES[args.size]["n_embd"], SIZES[args.size]["n_layer"]
+        print(f"shapes: GPT-2 {args.size} (n_embd {c}, {layers} layers)", file=sys.stderr)
+        sizes = {v: build(v, Path(tmp) / f"{i}.onnx", c, layers) for i, v in enumerate(variants)}
         for r in range(args.rounds):
             order = variants[r % len(variants) :] + variants[: r % len(variants)]  # rotate who goes first
             for v, tokens in itertools.product(order, args.tokens):
