@@ -34,6 +34,8 @@ VOCAB = 50257
 
 def block_shapes(c: int) -> list[tuple[int, int]]:
     return [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)]  # (K, N): qkv, attn proj, fc, fc proj
+
+
 FLUSH_BYTES = 96 << 20  # written between timed runs: more than the last-level cache (32 MB here)
 
 
@@ -44,9 +46,12 @@ class Variant:
     block: int
     level: int  # MatMulNBits accuracy_level
     symmetric: bool
+    op: str = "nbits"  # "nbits": MatMulNBits; "dqmm": DynamicQuantizeMatMul (per-column int8, u8s8 GEMM)
 
     @property
     def name(self) -> str:
+        if self.op == "dqmm":
+            return f"{self.part} int8 DynamicQuantizeMatMul"
         if self.bits == 32:
             return f"{self.part} fp32"
         zp = "sym" if self.symmetric else "asym"
@@ -60,7 +65,7 @@ def build(v: Variant, path: Path, c: int = 768, layers: int = 12) -> int:
     from onnx import TensorProto, helper, numpy_helper
 
     from gpt2edge.quantize.primitives import quantize_blockwise
-    from gpt2edge.quantize.weight_only import matmulnbits_node
+    from gpt2edge.quantize.weight_only import dynamic_int8_node, matmulnbits_node
 
     rng = np.random.default_rng(0)
     nodes, inits, nbytes = [], [], 0
@@ -72,6 +77,12 @@ def build(v: Variant, path: Path, c: int = 768, layers: int = 12) -> int:
             inits.append(numpy_helper.from_array(w, f"{name}.w"))
             nodes.append(helper.make_node("MatMul", [inp, f"{name}.w"], [out]))
             nbytes += w.nbytes
+            return out
+        if v.op == "dqmm":
+            node, weights = dynamic_int8_node(name, inp, name, w, out)
+            nodes.extend(node)
+            inits.extend(weights)
+            nbytes += sum(int(np.prod(t.dims)) * (1 if t.data_type == TensorProto.INT8 else 4) for t in weights)
             return out
         q = quantize_blockwise(w, v.bits, v.block, v.symmetric)
         node, weights = matmulnbits_node(name, inp, name, q, out, v.level)
@@ -155,9 +166,10 @@ def default_variants(only: str | None) -> list[Variant]:
 
 
 def parse_variant(text: str) -> Variant:
-    """'head:4:64:4:sym' -> Variant (part:bits:block:level:sym|asym)."""
+    """'head:4:64:4:sym' -> Variant (part:bits:block:level:sym|asym|dqmm; dqmm: per-column int8
+    DynamicQuantizeMatMul, bits 8, block and level unused)."""
     part, bits, block, level, zp = text.split(":")
-    return Variant(part, int(bits), int(block), int(level), zp == "sym")
+    return Variant(part, int(bits), int(block), int(level), zp == "sym", "dqmm" if zp == "dqmm" else "nbits")
 
 
 def summarize(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -190,7 +202,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = variants[r % len(variants) :] + variants[: r % len(variants)]  # rotate who goes first
             for v, tokens in itertools.product(order, args.tokens):
-                if tokens > 1 and v.level in (0, 1) and v.bits != 32:
+                if tokens > 1 and v.level in (0, 1) and v.bits != 32 and v.op == "nbits":
                     continue  # float-compute levels: decode only
                 stats, busy = timed_run(Path(tmp) / f"{variants.index(v)}.onnx", args.threads, tokens, args.repeat)
                 results.setdefault((v, tokens), []).append(stats)
