@@ -29,8 +29,18 @@ from gpt2edge.errors import SparseHeadError
     help="exact: directions of the bound table (1 .. n_embd - 1, default 16): more reads a bigger table every "
     "step but fewer exact rows.",
 )
-@click.option("--clusters", type=int, default=None, help="cluster: clusters of the vocabulary (2 .. 4096, default 1024).")
-@click.option("--probe", type=int, default=None, help="cluster: clusters read exactly per step (1 .. --clusters, default 16).")
+@click.option(
+    "--clusters",
+    type=int,
+    default=None,
+    help="cluster: clusters of the vocabulary (2 .. 4096 and V / 2; default 1024, or V / 2 if fewer).",
+)
+@click.option(
+    "--probe",
+    type=int,
+    default=None,
+    help="cluster: clusters read exactly per step (1 .. --clusters; default 16, or --clusters if fewer).",
+)
 @click.option(
     "--text",
     "text_file",
@@ -38,7 +48,9 @@ from gpt2edge.errors import SparseHeadError
     default=None,
     help="cluster: held-out text the quality report scores (default: the folder's recorded text, or the built-in one).",
 )
-@click.option("--report-tokens", type=int, default=None, help="cluster: tokens of the text scored (2 .. 4096, default 1024).")
+@click.option(
+    "--report-tokens", type=int, default=None, help="cluster: tokens of the text scored (2 .. 4096, default 1024)."
+)
 @click.option("--no-report", is_flag=True, help="cluster: skip the quality report.")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the new manifest as JSON.")
@@ -52,8 +64,9 @@ def sparse_head(
 
     require_extra("quantize", "sparse-head")
     if mode == "exact":
-        given = [n for n, v in (("--clusters", clusters), ("--probe", probe), ("--text", text_file),
-                                ("--report-tokens", report_tokens), ("--no-report", no_report or None)) if v is not None]  # fmt: skip
+        cluster_only = {"--clusters": clusters, "--probe": probe, "--text": text_file,
+                        "--report-tokens": report_tokens, "--no-report": no_report or None}  # fmt: skip
+        given = [name for name, value in cluster_only.items() if value is not None]
         if given:
             raise SparseHeadError(f"{', '.join(given)} only apply to --mode cluster (the exact mode has no report).")
         from gpt2edge.sparse.handler import sparse_head as run
@@ -63,19 +76,13 @@ def sparse_head(
         if rank is not None:
             raise SparseHeadError("--rank applies to --mode exact; --mode cluster takes --clusters and --probe.")
         from gpt2edge.report_text import choose_report_text
-        from gpt2edge.sparse.approx_handler import (
-            DEFAULT_CLUSTERS,
-            DEFAULT_PROBE,
-            DEFAULT_REPORT_TOKENS,
-            cluster_sparse_head,
-        )
+        from gpt2edge.sparse.approx_handler import DEFAULT_REPORT_TOKENS, cluster_sparse_head
 
         chosen = choose_report_text(text_file, [model_dir])
         log = click.get_text_stream("stderr")
         manifest = cluster_sparse_head(
             model_dir, out, force=force, report=not no_report, text=chosen.text, text_source=chosen.source,
-            clusters=DEFAULT_CLUSTERS if clusters is None else clusters,
-            probe=DEFAULT_PROBE if probe is None else probe,
+            clusters=clusters, probe=probe,
             report_tokens=DEFAULT_REPORT_TOKENS if report_tokens is None else report_tokens, log=log,
         )  # fmt: skip
         if chosen.note and not no_report:

@@ -61,8 +61,8 @@ def _activation(g: _Graph, table: HeadTable, width: int) -> tuple[str, str | Non
     if table.kind == "int8-activations":
         amax = g.op("ReduceMax", [g.op("Abs", [hb], "apx_abs")], "apx_amax", axes=[2], keepdims=1)
         sa = g.op("Div", [amax, g.const("apx_127", np.float32(127))], "apx_sa")  # (B, kb, 1)
-        safe = g.op("Where", [g.op("Equal", [sa, g.const("apx_0f", np.float32(0))], "apx_is0"),
-                              g.const("apx_1f", np.float32(1)), sa], "apx_sa1")  # fmt: skip
+        is0 = g.op("Equal", [sa, g.const("apx_0f", np.float32(0))], "apx_is0")
+        safe = g.op("Where", [is0, g.const("apx_1f", np.float32(1)), sa], "apx_sa1")  # an all-zero block stays 0
         inv = g.op("Div", [g.const("apx_1f_", np.float32(1)), safe], "apx_inv")
         q = g.op("Round", [g.op("Mul", [hb, inv], "apx_scaled")], "apx_q")  # exact integers in [-127, 127]
         col = q
@@ -90,47 +90,50 @@ def cluster_head(table: HeadTable, clusters: Clusters, probe: int, vocab_size: i
         cent = np.pad(cent, ((0, table.scales.shape[1] * table.block_size - width), (0, 0)))
     cs = g.op("MatMul", [h, g.const("apx_centroids_t", np.ascontiguousarray(cent, np.float32))], "apx_cs0")
     cs = g.op("Add", [cs, g.const("apx_cluster_bias", np.where(empty, -np.inf, 0).astype(np.float32))], "apx_cs")
-    g.nodes.append(helper.make_node("TopK", [cs, g.const("apx_probe", np.array([probe], np.int64))],
-                                    ["apx_best", "apx_idx"], axis=-1))  # fmt: skip  (B, M)
+    probe_k = g.const("apx_probe", np.array([probe], np.int64))
+    g.nodes.append(helper.make_node("TopK", [cs, probe_k], ["apx_best", "apx_idx"], axis=-1))  # (B, M)
     cand = g.const("apx_cand_shape", np.array([-1, probe * S], np.int64))
+
+    def gathered(name: str, table_: np.ndarray, shape: list[int]) -> str:
+        """The probed clusters' slice of a (K, S, ...) table, reshaped to `shape`."""
+        rows = g.op("Gather", [g.const(f"apx_{name}", table_), "apx_idx"], f"apx_g{name}", axis=0)
+        return g.op("Reshape", [rows, g.const(f"apx_{name}_shape", np.array(shape, np.int64))], f"apx_{name}_r")
+
     if table.codes is None:
-        rows = g.const("apx_rows", np.ascontiguousarray(table.weight[members]))  # (K, S, C)
-        w = g.op("Reshape", [g.op("Gather", [rows, "apx_idx"], "apx_w", axis=0),
-                             g.const("apx_rows_shape", np.array([-1, probe * S, width], np.int64))], "apx_wf")  # fmt: skip
+        w = gathered("rows", np.ascontiguousarray(table.weight[members]), [-1, probe * S, width])  # (B, M*S, C)
         hcol = g.op("Unsqueeze", [h, g.const("apx_last", np.array([-1], np.int64))], "apx_hc")  # (B, C, 1)
         logits = g.op("Reshape", [g.op("MatMul", [w, hcol], "apx_l3"), cand], "apx_logits")
     else:
         kb, bs = table.scales.shape[1], table.block_size
         codes = np.pad(table.codes, ((0, 0), (0, kb * bs - width)))[members]  # (K, S, Cp) uint8
-        blocks = g.const("apx_blk_shape", np.array([-1, probe * S, kb], np.int64))
-        gc = g.op("Reshape", [g.op("Gather", [g.const("apx_codes", codes), "apx_idx"], "apx_gc", axis=0),
-                              g.const("apx_codes_shape", np.array([-1, probe * S, kb * bs], np.int64))],
-                  "apx_gcr")  # fmt: skip  (B, M*S, Cp)
+        gc = gathered("codes", codes, [-1, probe * S, kb * bs])  # (B, M*S, Cp)
         if factor is not None:  # exact integer block dots, as the level-4 kernel's
             dots = g.op("Cast", [g.op("MatMulInteger", [gc, bd], "apx_dots_i")], "apx_dots", to=f)
         else:
             dots = g.op("MatMul", [g.op("Cast", [gc], "apx_gcf", to=f), bd], "apx_dots")  # (B, M*S, kb)
-        zp = g.op("Cast", [g.op("Reshape", [g.op("Gather", [g.const("apx_zp", table.zero_points[members]), "apx_idx"],
-                                                 "apx_gz", axis=0), blocks], "apx_gzr")], "apx_gzf", to=f)  # fmt: skip
-        sc = g.op("Reshape", [g.op("Gather", [g.const("apx_sc", table.scales[members]), "apx_idx"], "apx_gs", axis=0),
-                              blocks], "apx_gsr")  # fmt: skip
-        # sum of each block of the activation the dots used: (B, 1, kb)
-        colsum = g.op("ReduceSum", [bd if factor is None else "apx_bd4", g.const("apx_ax1", np.array([1], np.int64))],
-                      "apx_colsum", keepdims=1)  # fmt: skip
+        zp = g.op("Cast", [gathered("zp", table.zero_points[members], [-1, probe * S, kb])], "apx_zpf", to=f)
+        sc = gathered("sc", table.scales[members], [-1, probe * S, kb])
+        # each block's sum of the activation the dots used, (B, 1, kb): sum over the block-diagonal's rows
+        ones = g.const("apx_ax1", np.array([1], np.int64))
         if factor is None:
-            hsum = colsum
+            hsum = g.op("ReduceSum", [bd, ones], "apx_hsum", keepdims=1)
         else:
-            hsum = g.op("Reshape", [g.op("ReduceSum", [colsum, g.const("apx_ax2", np.array([2], np.int64))],
-                                         "apx_cs2", keepdims=0), g.const("apx_hs_shape", np.array([-1, 1, kb], np.int64))],
-                        "apx_hsum")  # fmt: skip
+            qsum = g.op("ReduceSum", ["apx_bd4", ones], "apx_qsum4", keepdims=1)  # (B, 1, bs, kb)
+            hsum = g.op("ReduceSum", [qsum, g.const("apx_ax2", np.array([2], np.int64))], "apx_hsum", keepdims=0)
         t = g.op("Sub", [dots, g.op("Mul", [zp, hsum], "apx_zsum")], "apx_t")  # integers at level 4
         scale = sc if factor is None else g.op("Mul", [sc, factor], "apx_scale")
-        logits = g.op("ReduceSum", [g.op("Mul", [t, scale], "apx_tb"), g.const("apx_axm1", np.array([-1], np.int64))],
-                      "apx_logits", keepdims=0)  # fmt: skip  (B, M*S)
-    tok = g.op("Reshape", [g.op("Gather", [g.const("apx_members", members), "apx_idx"], "apx_tok3", axis=0), cand],
-               "apx_tok")  # fmt: skip
+        tb = g.op("Mul", [t, scale], "apx_tb")
+        logits = g.op("ReduceSum", [tb, g.const("apx_axm1", np.array([-1], np.int64))], "apx_logits", keepdims=0)
+    tok = gathered("members", members, [-1, probe * S])  # (B, M*S) token ids
     # every token's estimated logit: its cluster's score (GatherElements: a V-wide Gather is ~4x slower in ORT)
-    batch = g.op("Gather", [g.op("Shape", [cs], "apx_cs_shape"), g.const("apx_0i", np.array([0], np.int64))], "apx_b")
+    batch = g.op(
+        "Slice",
+        [
+            g.op("Shape", [cs], "apx_cs_shape"),
+            *(g.const(n, np.array([v], np.int64)) for n, v in (("apx_0i", 0), ("apx_1i", 1))),
+        ],
+        "apx_b",
+    )
     shape = g.op("Concat", [batch, g.const("apx_v", np.array([V], np.int64))], "apx_bv", axis=0)
     ix = g.op("Expand", [g.const("apx_token_cluster", clusters.assign[None].astype(np.int64)), shape], "apx_ix")
     base = g.op("GatherElements", [cs, ix], "apx_base", axis=1)  # (B, V)

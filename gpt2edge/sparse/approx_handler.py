@@ -63,8 +63,8 @@ def cluster_sparse_head(
     src: Path,
     out: Path,
     *,
-    clusters: int = DEFAULT_CLUSTERS,
-    probe: int = DEFAULT_PROBE,
+    clusters: int | None = None,
+    probe: int | None = None,
     force: bool = False,
     report: bool = True,
     text: str | None = None,
@@ -72,7 +72,8 @@ def cluster_sparse_head(
     report_tokens: int = DEFAULT_REPORT_TOKENS,
     log=sys.stderr,
 ) -> dict[str, Any]:
-    """Write the approximate (cluster) sparse-head variant of export folder `src` to `out`; returns its manifest."""
+    """Write the approximate (cluster) sparse-head variant of export folder `src` to `out`; returns its manifest.
+    clusters: default 1024 (half the vocabulary if that is fewer); probe: default 16 (at most clusters)."""
     import onnx
 
     from gpt2edge.quality import print_report
@@ -85,6 +86,10 @@ def cluster_sparse_head(
 
     src, out = Path(src), Path(out)
     info = check_request(src, out, 1)  # the folder kinds the exact mode refuses are refused here too
+    if clusters is None:  # a small vocabulary gets fewer (each cluster at least 2 rows)
+        clusters = min(DEFAULT_CLUSTERS, info.dims.vocab_size // 2)
+    if probe is None:
+        probe = min(DEFAULT_PROBE, clusters) if isinstance(clusters, int) else DEFAULT_PROBE
     check_cluster_options(info, clusters, probe, report_tokens)
     tokens = report_tokens_of(src, text, report_tokens) if report else None
     check_output_dir(out, force, sources=[src])

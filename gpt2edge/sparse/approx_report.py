@@ -70,4 +70,3 @@ def cluster_report(folder: Path, parent: Path, head: onnx.ModelProto, tokens: li
         centroids_per_step=rec.clusters,
     )
     return report
-
