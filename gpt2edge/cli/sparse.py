@@ -26,20 +26,20 @@ from gpt2edge.errors import SparseHeadError
     "--rank",
     type=click.IntRange(min=1),  # the model's bound (below n_embd) is checked with the folder
     default=None,
-    help="exact: directions of the bound table (1 .. n_embd - 1, default 16): more reads a bigger table every "
+    help="exact: directions of the bound table (1 .. n_embd - 1) [default: 16]: more reads a bigger table every "
     "step but fewer exact rows.",
 )
 @click.option(
     "--clusters",
     type=int,
     default=None,
-    help="cluster: clusters of the vocabulary (2 .. 4096 and V / 2; default 1024, or V / 2 if fewer).",
+    help="cluster: clusters of the vocabulary (2 .. 4096, at most V / 2) [default: 1024, or V / 2 if fewer].",
 )
 @click.option(
     "--probe",
     type=int,
     default=None,
-    help="cluster: clusters read exactly per step (1 .. --clusters; default 16, or --clusters if fewer).",
+    help="cluster: clusters read exactly per step (1 .. --clusters) [default: 16, or --clusters if fewer].",
 )
 @click.option(
     "--text",
@@ -49,7 +49,7 @@ from gpt2edge.errors import SparseHeadError
     help="cluster: held-out text the quality report scores (default: the folder's recorded text, or the built-in one).",
 )
 @click.option(
-    "--report-tokens", type=int, default=None, help="cluster: tokens of the text scored (2 .. 4096, default 1024)."
+    "--report-tokens", type=int, default=None, help="cluster: tokens of the text scored (2 .. 4096) [default: 1024]."
 )
 @click.option("--no-report", is_flag=True, help="cluster: skip the quality report.")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")

@@ -92,7 +92,6 @@ def cluster_head(table: HeadTable, clusters: Clusters, probe: int, vocab_size: i
     cs = g.op("Add", [cs, g.const("apx_cluster_bias", np.where(empty, -np.inf, 0).astype(np.float32))], "apx_cs")
     probe_k = g.const("apx_probe", np.array([probe], np.int64))
     g.nodes.append(helper.make_node("TopK", [cs, probe_k], ["apx_best", "apx_idx"], axis=-1))  # (B, M)
-    cand = g.const("apx_cand_shape", np.array([-1, probe * S], np.int64))
 
     def gathered(name: str, table_: np.ndarray, shape: list[int]) -> str:
         """The probed clusters' slice of a (K, S, ...) table, reshaped to `shape`."""
@@ -102,6 +101,7 @@ def cluster_head(table: HeadTable, clusters: Clusters, probe: int, vocab_size: i
     if table.codes is None:
         w = gathered("rows", np.ascontiguousarray(table.weight[members]), [-1, probe * S, width])  # (B, M*S, C)
         hcol = g.op("Unsqueeze", [h, g.const("apx_last", np.array([-1], np.int64))], "apx_hc")  # (B, C, 1)
+        cand = g.const("apx_cand_shape", np.array([-1, probe * S], np.int64))
         logits = g.op("Reshape", [g.op("MatMul", [w, hcol], "apx_l3"), cand], "apx_logits")
     else:
         kb, bs = table.scales.shape[1], table.block_size
