@@ -121,7 +121,7 @@ def speed(full_dir: Path, apx_dir: Path, args) -> dict:
         out[name] = dict(full_ms=st.median(a), approx_ms=st.median(b), ratio=st.median(ratio),
                          ratio_range=[min(ratio), max(ratio)])  # fmt: skip
     # the head alone: the parent's head graph (split off its graph) against approx.onnx, one hidden state
-    V, C = full.graph.vocab_size, full.graph.n_embd
+    V, C = full.graph.vocab_size, full.folder.dims.n_embd
     _, head, _ = split_head(onnx.load(str(full_dir / "model.onnx")), V, C)
     so = ort.SessionOptions()
     so.intra_op_num_threads = args.threads
@@ -155,7 +155,7 @@ def candidates_offline(parent: Path, apx_dir: Path, text: Path, n_tokens: int) -
     gen = Generator(apx_dir)
     ids = gen.tokenizer.encode(text.read_text())[:n_tokens]
     H = hidden_states(gen.graph.body, ids, gen.graph.n_positions).astype(np.float64)
-    _, _, table = split_head(onnx.load(str(parent / "model.onnx")), gen.graph.vocab_size, gen.graph.n_embd)
+    _, _, table = split_head(onnx.load(str(parent / "model.onnx")), gen.graph.vocab_size, gen.folder.dims.n_embd)
     W = table.dequantized().astype(np.float64)
     logits = H @ W.T
     p = np.exp(logits - logits.max(1, keepdims=True))
