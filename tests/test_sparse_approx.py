@@ -32,15 +32,16 @@ def one_error_line(r, match: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_export_shared, tmp_path_factory) -> dict:
-    """precision -> (parent, all clusters probed, 2 of 16 probed)."""
+def folders(tiny_export, tiny_export_shared, tmp_path_factory) -> dict:
+    """precision -> (parent, all clusters probed, 2 of 16 probed); fp32 on the concat cache, int8 / int4 on the
+    shared one (both graph kinds)."""
     from gpt2edge.quantize.handler import make_recipe, quantize_model
     from gpt2edge.sparse.approx_handler import cluster_sparse_head
 
     root = tmp_path_factory.mktemp("approx")
     out = {}
     for p in ("fp32", "int8", "int4"):
-        parent = tiny_export_shared if p == "fp32" else root / p
+        parent = tiny_export if p == "fp32" else root / p
         if p != "fp32":
             quantize_model(tiny_export_shared, parent, make_recipe(p), report=False)
         every = root / f"{p}-all"
@@ -98,6 +99,8 @@ def test_labelled_and_refused(folders):
                       "rows_per_step": rec["rows_per_step"]}  # fmt: skip
     assert r.to_json()["head"]["approximate"] is True
     assert "".join(gen.stream("def f(x):", max_new_tokens=6, ignore_eos=True)) == r.text
+    batch = gen.generate(["def f(x):", "import os"], max_new_tokens=4, ignore_eos=True)
+    assert [len(b.token_ids) for b in batch] == [4, 4] and all(b.head["approximate"] for b in batch)
     sess = gen.session()
     assert sess.generate("def f(x):", max_new_tokens=3, ignore_eos=True).head["approximate"]
     kw = dict(max_new_tokens=6, ignore_eos=True, do_sample=True, top_p=0.9, temperature=0.8, seed=1)
