@@ -138,19 +138,27 @@ def test_tampered_table_refused(folders, tmp_path):
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--mode", "cluster", "--clusters", "1"], "--clusters"),
-        (["--mode", "cluster", "--clusters", "100000"], "--clusters"),
+        (["--mode", "cluster", "--clusters", "300"], "--clusters"),  # over half the tiny model's 400 tokens
         (["--mode", "cluster", "--clusters", "8", "--probe", "9"], "--probe"),
-        (["--mode", "cluster", "--clusters", "8", "--probe", "0"], "--probe"),
-        (["--mode", "cluster", "--probe", "300"], "--probe"),
-        (["--mode", "cluster", "--report-tokens", "1"], "--report-tokens"),
+        (["--mode", "cluster", "--probe", "300"], "--probe"),  # over the default's 200 clusters
         (["--mode", "cluster", "--rank", "4"], "--rank"),
         (["--clusters", "8"], "--mode cluster"),
         (["--probe", "2", "--no-report"], "--mode cluster"),
     ],
 )
 def test_options_out_of_range(tiny_export, tmp_path, args, match):
+    """Bounds that depend on the folder: one `error:` line, exit 1, nothing written."""
     one_error_line(cli("sparse-head", tiny_export, "-o", tmp_path / "o", *args), match)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--clusters", "1"], ["--clusters", "5000"], ["--probe", "0"], ["--report-tokens", "1"], ["--clusters", "x"]],
+)
+def test_fixed_ranges_are_usage_errors(tiny_export, tmp_path, args):
+    r = cli("sparse-head", tiny_export, "-o", tmp_path / "o", "--mode", "cluster", *args)
+    assert r.exit_code == 2 and args[0] in r.output and "Traceback" not in r.output, r.output
     assert not (tmp_path / "o").exists()
 
 

@@ -31,13 +31,13 @@ from gpt2edge.errors import SparseHeadError
 )
 @click.option(
     "--clusters",
-    type=int,
+    type=click.IntRange(2, 4096),  # at most V / 2 as well: checked with the folder
     default=None,
     help="cluster: clusters of the vocabulary (2 .. 4096, at most V / 2) [default: 1024, or V / 2 if fewer].",
 )
 @click.option(
     "--probe",
-    type=int,
+    type=click.IntRange(min=1),  # at most --clusters: checked with the folder
     default=None,
     help="cluster: clusters read exactly per step (1 .. --clusters) [default: 16, or --clusters if fewer].",
 )
@@ -49,7 +49,10 @@ from gpt2edge.errors import SparseHeadError
     help="cluster: held-out text the quality report scores (default: the folder's recorded text, or the built-in one).",
 )
 @click.option(
-    "--report-tokens", type=int, default=None, help="cluster: tokens of the text scored (2 .. 4096) [default: 1024]."
+    "--report-tokens",
+    type=click.IntRange(2, 4096),
+    default=None,
+    help="cluster: tokens of the text scored (2 .. 4096) [default: 1024].",
 )
 @click.option("--no-report", is_flag=True, help="cluster: skip the quality report.")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
