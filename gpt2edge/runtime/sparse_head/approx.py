@@ -73,8 +73,8 @@ class ApproxHeadInfo:
 
 def refusal(what: str) -> str:
     return (
-        f"{what} needs the model's own log-probs, and this folder's LM head is approximate (sparse-head --mode "
-        "cluster); use its parent folder (manifest sparse_head.parent) for it."
+        f"{what} is not served by an approximate LM head (sparse-head --mode cluster), whose rows are not the "
+        "model's log-probs; use its parent folder (manifest sparse_head.parent) for it."
     )
 
 
@@ -160,7 +160,7 @@ class ApproxLM:
         """A generate loop's call: sampling from the approximate rows is what this folder is for; recording
         log-probs is not. Returns the head's description for the result."""
         if logprobs:
-            raise GenerationError(refusal("logprobs"))
+            raise GenerationError(refusal("Recording logprobs"))
         self.configured = True
         return self.graph.approximate
 
