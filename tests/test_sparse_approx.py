@@ -162,6 +162,13 @@ def test_fixed_ranges_are_usage_errors(tiny_export, tmp_path, args):
     assert not (tmp_path / "o").exists()
 
 
+def test_modes_agree():
+    from gpt2edge.runtime.sparse_head.approx import MODES
+    from gpt2edge.sparse.modes import SPARSE_MODES
+
+    assert SPARSE_MODES == ("exact", *MODES)
+
+
 def test_approximate_folder_is_not_a_parent(folders, tmp_path):
     _, _, some = folders["fp32"]
     one_error_line(cli("sparse-head", some, "-o", tmp_path / "a", "--mode", "cluster"), "already has a sparse head")

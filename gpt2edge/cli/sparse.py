@@ -9,6 +9,7 @@ import click
 
 from gpt2edge.cli.common import friendly_errors, main, print_json
 from gpt2edge.errors import SparseHeadError
+from gpt2edge.sparse.modes import SPARSE_MODES
 
 
 @main.command("sparse-head")
@@ -16,7 +17,7 @@ from gpt2edge.errors import SparseHeadError
 @click.option("-o", "--output", "out", type=click.Path(path_type=Path), required=True, help="New export folder.")
 @click.option(
     "--mode",
-    type=click.Choice(["exact", "cluster"]),
+    type=click.Choice(SPARSE_MODES),
     default="exact",
     show_default=True,
     help="exact: the full head's tokens, certified; cluster: APPROXIMATE (adaptive-softmax-style clusters), with "
