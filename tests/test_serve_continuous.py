@@ -5,6 +5,7 @@ whoever else is served. A --static folder is served within its batch and capacit
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -19,7 +20,12 @@ from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.api.app import create_app  # noqa: E402
 from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
-from gpt2edge.serve.scheduling.continuous import ContinuousScheduler, make_scheduler  # noqa: E402
+from gpt2edge.serve.scheduling.continuous import (  # noqa: E402
+    ContinuousScheduler,
+    _plain_greedy,
+    load_scheduler,
+    make_scheduler,
+)
 from gpt2edge.serve.scheduling.jobs import Job, Piece, Sampling  # noqa: E402
 from gpt2edge.serve.scheduling.scheduler import Scheduler  # noqa: E402
 
@@ -119,6 +125,41 @@ def test_a_client_that_leaves_frees_its_row_for_a_waiting_request(tiny_export):
     scheduler.stop()
     assert texts(short) == [alone(gen, PROMPTS[0], 5)]
     assert stats["dropped_rows"] == 1 and len(long) < 100
+
+
+def test_rows_just_freed_wait_briefly_for_their_clients_to_return(tiny_export):
+    """A closed-loop client resends just after its stream ends: admission waits for it (bounded by a share of
+    the last cycle), so it joins this step's group instead of leaving its row empty for a whole cycle."""
+    gen = Generator(tiny_export)
+    scheduler = ContinuousScheduler(gen, ServeConfig(model_name="tiny", max_batch=4))  # thread not started
+    first, late = job(gen, "A", 2, []), job(gen, "B", 2, [])
+    scheduler.submit(first)
+    scheduler._freed, scheduler._cycle_s = 2, 20.0  # two rows just freed; a long cycle: a 1 s window
+    threading.Timer(0.05, scheduler.submit, [late]).start()
+    assert scheduler._admit() == [first, late]  # without the window: [first], and `late` a cycle later
+    alone_job = job(gen, "C", 2, [])
+    scheduler.submit(alone_job)
+    scheduler._freed, scheduler._cycle_s = 3, 0.2  # nobody comes back: the wait ends after 5 % of 0.2 s
+    t0 = time.monotonic()
+    assert scheduler._admit() == [alone_job] and time.monotonic() - t0 < 5
+    assert scheduler._freed == 0  # one window per release
+
+
+def test_plain_greedy_rows_skip_the_processors_only_when_none_applies(tiny_export):
+    gen = Generator(tiny_export)
+    plain = gen.sampling_params(max_new_tokens=8, do_sample=False, folder_defaults=False)
+    assert _plain_greedy(plain, 0)
+    held = gen.sampling_params(max_new_tokens=8, do_sample=False, folder_defaults=False, min_new_tokens=3)
+    assert not _plain_greedy(held, 2) and _plain_greedy(held, 3)  # end-of-text banned until min_tokens
+    for kw in (dict(repetition_penalty=1.3), dict(do_sample=True, temperature=0.7)):
+        assert not _plain_greedy(gen.sampling_params(max_new_tokens=8, folder_defaults=False, **kw), 5)
+
+
+def test_the_server_s_onnx_runtime_threads_do_not_spin(tiny_export):
+    """Spinning intra-op threads take the cores the event loop needs between steps (benchmarks/README.md)."""
+    scheduler = load_scheduler(tiny_export, ServeConfig(model_name="tiny"), threads=1)
+    opts = scheduler.generator.graph.session.get_session_options()
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
 def test_the_old_scheduler_stays_selectable(tiny_export):
