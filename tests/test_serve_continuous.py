@@ -16,7 +16,9 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)"
 from test_serve import PROMPTS, alone, joined, post, stream_one  # noqa: E402
 
 from gpt2edge.errors import ServeError  # noqa: E402
+from gpt2edge.memory import SHARE  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
+from gpt2edge.runtime.model.memory_plan import generation_estimate  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.api.app import create_app  # noqa: E402
 from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
@@ -27,6 +29,7 @@ from gpt2edge.serve.scheduling.continuous import (  # noqa: E402
     make_scheduler,
 )
 from gpt2edge.serve.scheduling.jobs import Job, Piece, Sampling  # noqa: E402
+from gpt2edge.serve.scheduling.rows import MEMORY, STATIC, serving_rows  # noqa: E402
 from gpt2edge.serve.scheduling.scheduler import Scheduler  # noqa: E402
 
 SAMPLED = dict(temperature=1.5, top_p=0.9)
@@ -162,6 +165,20 @@ def test_the_server_s_onnx_runtime_threads_do_not_spin(tiny_export):
     assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
+def test_default_rows_are_64_or_what_memory_holds(tiny_export, monkeypatch):
+    """Unset --max-batch: 64 rows, fewer when their KV cache over the whole context would not fit; a value that
+    would not fit is refused before the server takes a request, a static graph bounds it by its batch."""
+    gen = Generator(tiny_export)
+    per_row = generation_estimate(gen.folder, [[0]], int(gen.folder.n_positions)).total
+    assert serving_rows(gen, None) == (64, "")  # the tiny model's 64 rows fit anywhere
+    monkeypatch.setenv("GPT2EDGE_MAX_MEMORY", str(int(10.5 * per_row / SHARE)))
+    assert serving_rows(gen, None) == (10, MEMORY) and serving_rows(gen, 10) == (10, "")
+    with pytest.raises(ServeError, match="lower --max-batch to at most 10"):
+        serving_rows(gen, 11)
+    scheduler = ContinuousScheduler(gen, ServeConfig(model_name="t"))
+    assert scheduler.max_rows == scheduler.slots.rows == 10 and scheduler.limits().rows_why == MEMORY
+
+
 def test_the_old_scheduler_stays_selectable(tiny_export):
     gen = Generator(tiny_export)
     assert type(make_scheduler(gen, ServeConfig(model_name="t"))) is ContinuousScheduler
@@ -190,6 +207,7 @@ def test_a_static_folder_is_served_within_its_batch_and_capacity(static_export):
     config = ServeConfig(model_name="tiny", max_batch=16)
     scheduler = make_scheduler(gen, config)
     assert type(scheduler) is Scheduler and scheduler.max_rows == 2 and scheduler.n_positions == 64
+    assert serving_rows(gen, None) == (2, STATIC) and serving_rows(gen, 1) == (1, "")
 
     async def clients(url):
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
