@@ -237,10 +237,13 @@ def rss_mb(pid: int | None) -> float | None:
 
 
 @contextmanager
-def local_server(model_dir: str, scheduler: str, threads: int | None, max_batch: int, max_queue: int):
+def local_server(model_dir: str, scheduler: str, threads: int | None, max_batch: int, max_queue: int,
+                 prefill_tokens: int | None = None):  # fmt: skip
     """`gpt2edge serve` on 127.0.0.1, a free port; yields (URL, pid) once /health says ok."""
     cmd = [sys.executable, "-m", "gpt2edge.cli", "serve", model_dir, "--port", "0", "--max-batch", str(max_batch),
            "--max-queue", str(max_queue), "--scheduler", scheduler]  # fmt: skip
+    if prefill_tokens:
+        cmd += ["--prefill-tokens", str(prefill_tokens)]
     if threads:
         cmd += ["--threads", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
@@ -292,6 +295,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="the server's ONNX Runtime threads")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-queue", type=int, default=256)
+    ap.add_argument("--prefill-tokens", type=int, default=None, help="the server's --prefill-tokens")
     ap.add_argument("--soak", type=float, default=None, help="seconds of soak instead of levels")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
@@ -328,7 +332,8 @@ def main() -> None:
                 if args.url:
                     results += asyncio.run(levels(args.url, name, rnd))
                     continue
-                with local_server(args.model_dir, name, args.threads, args.max_batch, args.max_queue) as (url, _):
+                with local_server(args.model_dir, name, args.threads, args.max_batch, args.max_queue,
+                                  args.prefill_tokens) as (url, _):  # fmt: skip
                     results += asyncio.run(levels(url, name, rnd))
     summary = summarize(results)
     if args.json:

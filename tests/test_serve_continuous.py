@@ -148,6 +148,14 @@ def test_rows_just_freed_wait_briefly_for_their_clients_to_return(tiny_export):
     assert scheduler._freed == 0  # one window per release
 
 
+def test_the_cache_rows_are_reserved_at_start(tiny_export):
+    gen = Generator(tiny_export)
+    scheduler = ContinuousScheduler(gen, ServeConfig(model_name="tiny", max_batch=3))
+    slots = scheduler.slots
+    assert slots.allocations == 1 and slots.capacity == min(128, slots.n_positions) and slots.live == 0
+    assert slots.nbytes(slots.capacity) == slots._storage.nbytes  # every row, not only the first request's
+
+
 def test_plain_greedy_rows_skip_the_processors_only_when_none_applies(tiny_export):
     gen = Generator(tiny_export)
     plain = gen.sampling_params(max_new_tokens=8, do_sample=False, folder_defaults=False)

@@ -116,6 +116,13 @@ class SlotLM:
         grown = min(self.n_positions, max(needed, 2 * self.capacity, MIN_POSITIONS))
         self._relayout(self.past_len, capacity=grown)
 
+    def reserve(self, positions: int) -> None:
+        """Allocate every row's first `positions` (up to n_positions) and touch their pages now: a server's
+        start-up pays the page faults, and the growth copy up to there, instead of its first requests."""
+        if self._storage is None:
+            self._make_room(min(positions, self.n_positions))
+            self._storage.fill(0)  # np.zeros maps lazily-zeroed pages; writing faults them in
+
     # ---- rows joining and leaving ---------------------------------------------------------------------------
 
     def join(self, prompts: list[list[int]], pad_id: int) -> np.ndarray:

@@ -36,6 +36,7 @@ from gpt2edge.serve.scheduling.penalties import RowPenalties
 from gpt2edge.serve.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("gpt2edge.serve")
+RESERVED_POSITIONS = 128  # per cache row, allocated and touched at start (more grow on demand)
 RETURN_SHARE = 0.05  # rows just freed: admission waits up to this share of a cycle for their clients to return
 
 
@@ -64,6 +65,10 @@ class ContinuousScheduler(Scheduler):
     def __init__(self, generator, config: ServeConfig) -> None:
         super().__init__(generator, config)
         self.slots = SlotLM(generator.graph, self.max_rows)
+        # the cache's first positions reserved and touched while /health still says "loading" (llama-server and
+        # vLLM reserve theirs at start too): fresh rows' page faults cost up to ~7 % of a cold server's first
+        # minute at 64 clients (benchmarks/README.md)
+        self.slots.reserve(RESERVED_POSITIONS)
         self._cache_rows: list[tuple[_Live, int]] = []  # per cache row: (its job's state, the row's index in the job)
         self._pending: list[int] = []  # per cache row: the token it feeds at the next step
         self._live: list[_Live] = []  # jobs with rows in the cache, in admission order
