@@ -1,0 +1,84 @@
+"""The certified step the body graph computes itself (folders with a `fused` record, gpt2edge.sparse.fused).
+
+Each body run also writes, per row, the ids of the K rows of best upper bound, their exact logits (float64, as
+exact.py computes them) and a bar above every other row's logit (bound rounding included). Here a row is
+certified when its choice depends only on candidates that beat the bar by more than TIE (the head kernel's
+float rounding against exact.py's arithmetic, exact.py) and are themselves apart by more than TIE:
+  greedy (k = 1):  best - TIE > bar  and  best - TIE > the runner-up candidate;
+  top-k (k < K):   k-th best - TIE > bar  and  k-th best - TIE > (k+1)-th best candidate.
+Then the full head's k best are exactly these candidates, in this order (their kernel logits are within TIE / 4
+of these: the load-time self-check), so greedy and top-k draws are the full head's. Otherwise the row runs the
+full head. The outputs are bound once per batch size to buffers of this object (no copies, no V-wide work).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpt2edge.runtime.sparse_head.exact import TIE
+
+IDS, LOGITS, BAR = "sparse_ids", "sparse_logits", "sparse_bar"
+
+
+class FusedReader:
+    """The sparse outputs of one OrtLM's body runs (not thread-safe: one per SparseLM)."""
+
+    def __init__(self, body_lm, k: int, vocab_size: int) -> None:
+        self.body, self.K, self.V = body_lm, k, vocab_size
+        self.B = 0
+        self.ids = self.logits = self.bar = None
+        self.rows = np.empty((0, vocab_size), dtype=np.float32)  # the returned rows: -inf but at the last ids
+        self._written: list[np.ndarray | None] = []  # per row: the ids written last step (None: the whole row)
+
+    def arm(self, B: int) -> bool:
+        """Before a body run of B rows: (re)bind the outputs when B changed, and mark them unwritten (a run
+        that does not write them, such as a row-by-row shared-cache step, leaves NaN: not certified).
+        False when this LM runs without IO binding (the outputs are not fetched: every step is full)."""
+        b = self.body.binding
+        if b is None:
+            return False
+        if B != self.B:
+            self.ids = np.zeros((B, self.K), dtype=np.int64)
+            self.logits = np.empty((B, self.K), dtype=np.float64)
+            self.bar = np.empty((B, 1), dtype=np.float64)
+            for name, arr in ((IDS, self.ids), (LOGITS, self.logits), (BAR, self.bar)):
+                b.bind_output(name, "cpu", 0, arr.dtype.type, list(arr.shape), arr.ctypes.data)
+            self.rows = np.full((B, self.V), -np.inf, dtype=np.float32)
+            self._written = [None] * B
+            self.B = B
+        self.bar.fill(np.nan)
+        return True
+
+    def certified(self, b: int, k: int) -> bool:
+        """Whether row b's k best tokens (in order) are its best candidates, by more than TIE."""
+        bar, ex = self.bar[b, 0], self.logits[b]
+        if not bar == bar or k >= self.K:  # NaN: the run did not write the outputs
+            return False
+        if k == 1:
+            j = int(ex.argmax())
+            best = ex[j]
+            second = np.max(np.delete(ex, j)) if self.K > 1 else -np.inf
+            return bool(best - TIE > bar and best - TIE > second)
+        top = np.partition(ex, self.K - k - 1)[self.K - k - 1 :]  # the k + 1 best, the (k+1)-th first
+        kth = top[1:].min()
+        return bool(kth - TIE > bar and kth - TIE > top[0])
+
+    def row(self, b: int) -> np.ndarray:
+        """Row b of the returned (B, V) rows: the candidates' exact logits shifted so the best is 0, -inf
+        elsewhere (only the ids written last step are reset)."""
+        out = self.rows[b]
+        last = self._written[b]
+        if last is None:
+            out.fill(-np.inf)
+        else:
+            out[last] = -np.inf
+        ids = self.ids[b].copy()
+        ex = self.logits[b]
+        out[ids] = (ex - ex.max()).astype(np.float32)
+        self._written[b] = ids
+        return out
+
+    def full_row(self, b: int, logprobs: np.ndarray) -> None:
+        """Row b gets the full head's log-probs (an uncertified row)."""
+        self.rows[b] = logprobs
+        self._written[b] = None

@@ -1,0 +1,277 @@
+"""The certified step inside the body graph: hidden -> bounds -> TopK -> exact logits of K candidates.
+
+One ONNX Runtime run of the body then returns, besides `hidden` and the cache, per row:
+  sparse_ids     (B, K) int64    the K rows of best upper bound;
+  sparse_logits  (B, K) float64  their exact logits, computed as exact.py computes them (so as the head's
+                                 kernel does, within its float rounding: the load-time self-check measures it);
+  sparse_bar     (B, 1) float64  an upper bound on the logit of every other row: the (K+1)-th best upper bound
+                                 plus the bound pass's float allowance (exact.py's slack).
+The runtime certifies a greedy step when the best candidate beats the runner-up and the bar by more than TIE,
+and else runs the full head (head.onnx) on `hidden`: one session run for a certified step, no V-wide work in
+Python either way. The arithmetic mirrors gpt2edge.runtime.sparse_head.exact step for step:
+  h_eff  the activation the kernel multiplies (level 4: h per block to int8, scale max|h_b| / 127, round half
+         to even: ONNX Round is numpy's rint);
+  ub     [Q^T h_eff, ||h_eff - Q Q^T h_eff|| (1 + 1e-5), h_eff . mu] (float64, then float32) @ [a_t; eps; 1];
+  exact  level 4: per-block integer dots (codes @ a block-diagonal of the int8 h: integers below 2^24, exact in
+         float32 in any order) minus zero_point * sum(q), times scale_ib * scale_b, summed in float64;
+         float kinds: the dequantized rows (or the fp32 rows) times h in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from gpt2edge.sparse.graph import HIDDEN, HeadTable
+
+IDS, LOGITS, BAR = "sparse_ids", "sparse_logits", "sparse_bar"
+OUTPUTS = (IDS, LOGITS, BAR)
+DEFAULT_CANDIDATES = 128  # k: exact rows per step
+DEFAULT_GROUPS = 32  # M: groups whose members' bounds are computed per step
+GROUP_SIZE = 64  # S: rows per group
+CLUSTERS = 256  # k-means clusters the groups are cut from
+P = "sparse_head."  # name prefix of every node and initializer added here
+F32, F64 = onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE
+
+
+class _Builder:
+    """Nodes and initializers with unique prefixed names; reductions written for the graph's opset."""
+
+    def __init__(self, opset: int) -> None:
+        self.opset, self.nodes, self.inits, self.n, self.names = opset, [], [], 0, set()
+
+    def const(self, name: str, value) -> str:
+        if P + name not in self.names:  # one initializer per name (axes are asked for more than once)
+            self.names.add(P + name)
+            self.inits.append(numpy_helper.from_array(np.asarray(value), P + name))
+        return P + name
+
+    def op(self, op_type: str, inputs: list[str], **attrs) -> str:
+        self.n += 1
+        out = f"{P}{op_type.lower()}_{self.n}"
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+        return out
+
+    def reduce(self, op_type: str, x: str, axis: int, keepdims: int = 1) -> str:
+        # ReduceSum takes axes as an input from opset 13, the other reductions from opset 18
+        if op_type == "ReduceSum" and self.opset >= 13 or self.opset >= 18:
+            return self.op(op_type, [x, self.const(f"axes{axis}", np.array([axis], np.int64))], keepdims=keepdims)
+        return self.op(op_type, [x], axes=[axis], keepdims=keepdims)
+
+
+@dataclass
+class Groups:
+    """The rows cut into G groups of `size` (k-means clusters of the projected rows a_i, cut into chunks; the
+    chunks' leftovers pooled), each with a bound on its members' upper bounds:
+        max_{i in g} (Q^T h) . a_i + ||h_perp|| eps_i  <=  (Q^T h) . c_g + ||Q^T h|| rad_g + ||h_perp|| eps_g
+    (c_g the members' mean, rad_g = max ||a_i - c_g||, eps_g = max eps_i: Cauchy-Schwarz). members (G, size)
+    row ids, padded with V; rows (V + 1, r + 3) float32 [a_i, eps_i, 1, 0] (the pad row [0, 0, 0, -1e30]: never
+    a candidate); table (r + 3, G) float64 [c_g; eps_g; 1; rad_g] against [Q^T h, ||h_perp||, h . mu, ||Q^T h||]."""
+
+    members: np.ndarray
+    rows: np.ndarray
+    table: np.ndarray
+    size: int
+
+
+def _kmeans(x: np.ndarray, n: int, iters: int = 8) -> np.ndarray:
+    """(V, r) -> (V,) cluster labels (Lloyd's iterations from a seeded sample; deterministic)."""
+    c = x[np.random.default_rng(0).choice(len(x), n, replace=False)]
+    for _ in range(iters):
+        lab = np.concatenate([
+            ((x[s : s + 8192, None, :] - c[None]) ** 2).sum(-1).argmin(1) for s in range(0, len(x), 8192)
+        ])  # fmt: skip
+        for j in range(n):
+            m = lab == j
+            if m.any():
+                c[j] = x[m].mean(0)
+    return lab
+
+
+def group_rows(a_t: np.ndarray, eps: np.ndarray, size: int = GROUP_SIZE, clusters: int = CLUSTERS) -> Groups:
+    """The groups of the bound table's rows (a_t (r, V) float32, eps (V,) float32 rounded up)."""
+    a = a_t.T.astype(np.float64)
+    V, r = a.shape
+    lab = _kmeans(a, min(clusters, V))
+    chunks, rest = [], []
+    for j in range(lab.max() + 1):
+        idx = np.flatnonzero(lab == j)
+        idx = idx[np.argsort(eps[idx], kind="stable")]  # like eps together: a tighter eps_g
+        full = len(idx) // size * size
+        chunks += list(idx[:full].reshape(-1, size))
+        rest.append(idx[full:])
+    rest = np.concatenate(rest)  # leftovers in cluster order: neighbours stay neighbours
+    chunks += [rest[s : s + size] for s in range(0, len(rest), size)]
+    G = len(chunks)
+    members = np.full((G, size), V, dtype=np.int64)
+    table = np.zeros((r + 3, G))
+    for g, idx in enumerate(chunks):
+        members[g, : len(idx)] = idx
+        c = a[idx].mean(0)
+        rad = np.linalg.norm(a[idx] - c, axis=1).max()
+        table[:, g] = [*c, eps[idx].max(), 1.0, rad * (1 + 1e-9) + 1e-12]  # rounded up: still a bound
+    rows = np.zeros((V + 1, r + 3), dtype=np.float32)
+    rows[:V, :r], rows[:V, r], rows[:V, r + 1] = a_t.T, eps, 1.0
+    rows[V, r + 2] = -1e30
+    return Groups(members, rows, table, size)
+
+
+def fused_nodes(
+    table: HeadTable, bounds: dict[str, np.ndarray], groups: Groups, slack_scale: float, k: int, m: int, opset: int
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """The nodes (reading `hidden`, writing OUTPUTS) and their initializers; k candidates per row from the
+    members of the m best groups."""
+    b = _Builder(opset)
+    V = len(bounds["eps"])
+    C = len(bounds["mu"])
+    G, S = groups.members.shape
+    m = min(m, G - 1)
+    k = min(k, (m - 1) * S - 1)  # m - 1 full groups always hold k + 1 real rows: a pad row never competes
+    quant = table.codes is not None
+    bs = table.block_size if quant else C
+    kb = -(-C // bs)
+    pad = kb * bs - C
+
+    # 1. h_eff (B, C): the activation the head's kernel multiplies
+    h = HIDDEN
+    if table.kind == "int8-activations":
+        hp = b.op("Pad", [h, b.const("pad", np.array([0, 0, 0, pad], np.int64))]) if pad else h
+        hb = b.op("Reshape", [hp, b.const("blocks", np.array([0, kb, bs], np.int64))])  # (B, kb, bs)
+        sa = b.op("Div", [b.reduce("ReduceMax", b.op("Abs", [hb]), 2), b.const("c127", np.float32(127))])
+        zero = b.op("Equal", [sa, b.const("zero", np.float32(0))])
+        inv = b.op("Where", [zero, b.const("zero_f", np.float32(0)), b.op("Div", [b.const("one", np.float32(1)), sa])])
+        qa = b.op("Round", [b.op("Mul", [hb, inv])])  # (B, kb, bs) integers in [-127, 127]
+        he_p = b.op("Reshape", [b.op("Mul", [qa, sa]), b.const("flat", np.array([0, kb * bs], np.int64))])
+        he = b.op("Slice", [he_p, b.const("s0", np.array([0], np.int64)), b.const("sC", np.array([C], np.int64)),
+                            b.const("s1", np.array([1], np.int64))]) if pad else he_p  # fmt: skip
+    else:
+        he = h
+
+    # 2. the bound's terms (float64, tiny): x = [Q^T h_eff, ||h_eff - Q Q^T h_eff|| (1 + 1e-5), h_eff . mu, ...]
+    hd = b.op("Cast", [he], to=F64)
+    q = bounds["q"].astype(np.float64)
+    hq = b.op("MatMul", [hd, b.const("q", q)])  # (B, r)
+    resid = b.op("Sub", [hd, b.op("MatMul", [hq, b.const("q_t", np.ascontiguousarray(q.T))])])
+    perp = b.op("Sqrt", [b.reduce("ReduceSum", b.op("Mul", [resid, resid]), 1)])
+    perp = b.op("Mul", [perp, b.const("perp_up", np.float64(1 + 1e-5))])
+    hmu = b.op("MatMul", [hd, b.const("mu", bounds["mu"].astype(np.float64)[:, None])])  # (B, 1)
+    norm_hq = b.op("Sqrt", [b.reduce("ReduceSum", b.op("Mul", [hq, hq]), 1)])
+    norm_he = b.op("Sqrt", [b.reduce("ReduceSum", b.op("Mul", [hd, hd]), 1)])
+    slack = b.op("Add", [b.op("Mul", [norm_he, b.const("slack_scale", np.float64(slack_scale))]),
+                         b.op("Mul", [norm_hq, b.const("eps_par", np.float64(bounds["eps_par"]))])])  # fmt: skip
+
+    # 3. the M groups of best group bound (each >= its members' upper bounds), their members' upper bounds, and
+    #    the k + 1 best of those: k candidates; every other row's bound is below the (M+1)-th group's or the
+    #    (k+1)-th member's
+    gb = b.op("MatMul", [b.op("Concat", [hq, perp, hmu, norm_hq], axis=1), b.const("group_table", groups.table)])
+    gvals, gsel = (f"{P}group_values", f"{P}group_ids")
+    b.nodes.append(helper.make_node("TopK", [gb, b.const("m1", np.array([m + 1], np.int64))], [gvals, gsel],
+                                    name=P + "group_topk", axis=1, largest=1, sorted=1))  # fmt: skip
+    gfirst = b.op("Slice", [gsel, b.const("c0", np.array([0], np.int64)), b.const("cm", np.array([m], np.int64)),
+                            b.const("c1", np.array([1], np.int64))])  # fmt: skip
+    gbar = b.op("Slice", [gvals, P + "cm", b.const("cm1", np.array([m + 1], np.int64)), P + "c1"])  # (B, 1)
+    flat_m = b.const("flat_m", np.array([0, m * S], np.int64))
+    members = b.op("Reshape", [b.op("Gather", [b.const("members", groups.members), gfirst]), flat_m])  # (B, M*S)
+    one = b.op("Add", [b.op("Mul", [hmu, b.const("zero_d", np.float64(0))]), b.const("one_d", np.float64(1))])
+    xm = b.op("Cast", [b.op("Concat", [hq, perp, hmu, one], axis=1)], to=F32)  # (B, r + 3)
+    # the groups' rows are stored group by group: one contiguous block per selected group
+    rows = b.op("Gather", [b.const("row_table", groups.rows[groups.members]), gfirst])  # (B, M, S, r + 3)
+    xcol = b.op("Unsqueeze", [xm, b.const("ax12", np.array([1, 3], np.int64))])  # (B, 1, r + 3, 1)
+    mub = b.op("Reshape", [b.op("MatMul", [rows, xcol]), flat_m])  # (B, M*S)
+    vals, pos = (f"{P}topk_values", f"{P}topk_positions")
+    b.nodes.append(helper.make_node("TopK", [mub, b.const("k1", np.array([k + 1], np.int64))], [vals, pos],
+                                    name=P + "topk", axis=1, largest=1, sorted=1))  # fmt: skip
+    kpos = b.op("Slice", [pos, P + "c0", b.const("ck", np.array([k], np.int64)), P + "c1"])
+    cand = b.op("Min", [b.op("GatherElements", [members, kpos], axis=1), b.const("last", np.array(V - 1, np.int64))])
+    b.nodes.append(helper.make_node("Identity", [cand], [IDS], name=P + "ids"))
+    kth = b.op("Slice", [vals, P + "ck", b.const("ck1", np.array([k + 1], np.int64)), P + "c1"])
+    worst = b.op("Max", [b.op("Cast", [kth], to=F64), gbar])
+    b.nodes.append(helper.make_node("Add", [worst, slack], [BAR], name=P + "bar"))
+
+    # 4. the candidates' exact logits (B, k), as exact.py computes them
+    if not quant:
+        w = b.op("Cast", [b.op("Gather", [b.const("weight", table.weight), cand])], to=F64)  # (B, k, C)
+        hcol = b.op("Unsqueeze", [hd, b.const("ax2", np.array([2], np.int64))])  # (B, C, 1)
+        dots = b.op("MatMul", [w, hcol])  # (B, k, 1)
+        b.nodes.append(helper.make_node("Squeeze", [dots, P + "ax2"], [LOGITS], name=P + "logits"))
+        return b.nodes, b.inits
+    codes = b.op("Cast", [b.op("Gather", [b.const("codes", table.codes), cand])], to=F32)  # (B, k, C)
+    zp = b.op("Cast", [b.op("Gather", [b.const("zero_points", table.zero_points), cand])], to=F32)  # (B, k, kb)
+    sc = b.op("Gather", [b.const("scales", table.scales), cand])  # (B, k, kb)
+    if table.kind == "int8-activations":
+        # block-diagonal int8 h: (B, C, kb), column j holds block j's codes and zeros elsewhere
+        mask = (np.arange(C)[:, None] // bs == np.arange(kb)[None]).astype(np.float32)
+        qflat = b.op("Reshape", [qa, P + "flat"])
+        if pad:
+            qflat = b.op("Slice", [qflat, P + "s0", P + "sC", P + "s1"])
+        qcol = b.op("Unsqueeze", [qflat, b.const("ax2", np.array([2], np.int64))])  # (B, C, 1)
+        qbd = b.op("Mul", [qcol, b.const("blockmask", mask)])
+        dots = b.op("MatMul", [codes, qbd])  # (B, k, kb): exact integers
+        qsum = b.op("Unsqueeze", [b.reduce("ReduceSum", qa, 2, keepdims=0), b.const("ax1", np.array([1], np.int64))])
+        idots = b.op("Sub", [dots, b.op("Mul", [zp, qsum])])
+        sa_row = b.op("Unsqueeze", [b.op("Reshape", [sa, b.const("bkb", np.array([0, kb], np.int64))]), P + "ax1"])
+        ssa = b.op("Cast", [b.op("Mul", [sc, sa_row])], to=F64)  # float32 product, as exact.py
+        prod = b.op("Mul", [b.op("Cast", [idots], to=F64), ssa])
+        b.nodes.append(helper.make_node("ReduceSum", [prod, b.const("axes2", np.array([2], np.int64))], [LOGITS],
+                                        name=P + "logits", keepdims=0))  # fmt: skip
+        return b.nodes, b.inits
+    # float kind over codes: dequantized rows (B, k, kb, bs) times the zero-padded h, in float64
+    shape = b.const("rows4", np.array([0, 0, kb, bs], np.int64))
+    b.const("ax3", np.array([3], np.int64))
+    cpad = b.op("Pad", [codes, b.const("cpad", np.array([0, 0, 0, 0, 0, pad], np.int64))]) if pad else codes
+    deq = b.op("Mul", [b.op("Sub", [b.op("Reshape", [cpad, shape]), b.op("Unsqueeze", [zp, P + "ax3"])]),
+                       b.op("Unsqueeze", [sc, P + "ax3"])])  # fmt: skip
+    wrows = b.op("Cast", [b.op("Reshape", [deq, b.const("rows3", np.array([0, 0, kb * bs], np.int64))])], to=F64)
+    hpad = b.op("Pad", [hd, b.const("hpad", np.array([0, 0, 0, pad], np.int64))]) if pad else hd
+    dots = b.op("MatMul", [wrows, b.op("Unsqueeze", [hpad, b.const("ax2", np.array([2], np.int64))])])
+    b.nodes.append(helper.make_node("Squeeze", [dots, P + "ax2"], [LOGITS], name=P + "logits"))
+    return b.nodes, b.inits
+
+
+def groups_for(k: int) -> int:
+    """M for k candidates: enough groups that the (M+1)-th group's bound seldom sets the bar."""
+    return max(DEFAULT_GROUPS, k // 4)
+
+
+def slack_scale(bounds: dict[str, np.ndarray]) -> float:
+    """exact.py's HeadKernel.scale: the float rounding of a bound score, per unit of ||h_eff||."""
+    r = bounds["q"].shape[1]
+    size = float(np.linalg.norm(bounds["mu"])) + float(bounds["a_norm_max"]) + float(bounds["eps_max"])
+    return (r + 2) * 1e-5 * size
+
+
+def candidates(k: int, m: int, groups: Groups) -> tuple[int, int]:
+    """(k, m) as the graph uses them (fused_nodes' clamps)."""
+    G, S = groups.members.shape
+    m = min(m, G - 1)
+    return min(k, (m - 1) * S - 1), m
+
+
+def add_fused(body: onnx.ModelProto, table: HeadTable, bounds: dict[str, np.ndarray], groups: Groups,
+              slack_scale: float, k: int, m: int) -> None:  # fmt: skip
+    """Append the fused nodes to the body graph (in place); OUTPUTS become its last outputs."""
+    g = body.graph
+    opset = next(o.version for o in body.opset_import if o.domain in ("", "ai.onnx"))
+    nodes, inits = fused_nodes(table, bounds, groups, slack_scale, k, m, opset)
+    g.node.extend(nodes)
+    g.initializer.extend(inits)
+    K, _ = candidates(k, m, groups)
+    g.output.extend([
+        helper.make_tensor_value_info(IDS, onnx.TensorProto.INT64, ["batch", K]),
+        helper.make_tensor_value_info(LOGITS, F64, ["batch", K]),
+        helper.make_tensor_value_info(BAR, F64, ["batch", 1]),
+    ])  # fmt: skip
+
+
+def standalone(table: HeadTable, bounds: dict[str, np.ndarray], groups: Groups, slack_scale: float, k: int, m: int,
+               opset: int = 18) -> onnx.ModelProto:  # fmt: skip
+    """The fused part alone, hidden (B, C) -> OUTPUTS (tests and profiling)."""
+    C = len(bounds["mu"])
+    nodes, inits = fused_nodes(table, bounds, groups, slack_scale, k, m, opset)
+    g = helper.make_graph(nodes, "gpt2edge_sparse_fused", [helper.make_tensor_value_info(HIDDEN, F32, ["batch", C])],
+                          [helper.make_tensor_value_info(n, t, None) for n, t in
+                           zip(OUTPUTS, (onnx.TensorProto.INT64, F64, F64))], inits)  # fmt: skip
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
