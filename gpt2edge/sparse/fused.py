@@ -4,8 +4,9 @@ One ONNX Runtime run of the body then returns, besides `hidden` and the cache, p
   sparse_ids     (B, K) int64    the K rows of best upper bound;
   sparse_logits  (B, K) float64  their exact logits, computed as exact.py computes them (so as the head's
                                  kernel does, within its float rounding: the load-time self-check measures it);
-  sparse_bar     (B, 1) float64  an upper bound on the logit of every other row: the (K+1)-th best upper bound
-                                 plus the bound pass's float allowance (exact.py's slack).
+  sparse_bar     (B, 1) float64  an upper bound on the logit of every other row: the least candidate's upper
+                                 bound or the least selected group's, whichever is higher, plus h . mu and the
+                                 float allowance (exact.py's slack).
 The runtime certifies a greedy step when the best candidate beats the runner-up and the bar by more than TIE,
 and else runs the full head (head.onnx) on `hidden`: one session run for a certified step, no V-wide work in
 Python either way. The arithmetic mirrors gpt2edge.runtime.sparse_head.exact step for step:
@@ -33,6 +34,7 @@ DEFAULT_CANDIDATES = 128  # k: exact rows per step
 DEFAULT_GROUPS = 32  # M: groups whose members' bounds are computed per step
 GROUP_SIZE = 64  # S: rows per group
 CLUSTERS = 256  # k-means clusters the groups are cut from
+GROUP_RANK = 16  # the group bounds' rank (at most the table's): higher ranks widen the groups' radii
 P = "sparse_head."  # name prefix of every node and initializer added here
 F32, F64 = onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE
 
@@ -65,25 +67,26 @@ class _Builder:
 @dataclass
 class Groups:
     """The rows cut into G groups of `size` (k-means clusters of the projected rows a_i, cut into chunks; the
-    chunks' leftovers pooled), each with a bound on its members' upper bounds:
+    chunks' leftovers pooled), each with a bound on its members' upper bounds (less the common h . mu):
         max_{i in g} (Q^T h) . a_i + ||h_perp|| eps_i  <=  (Q^T h) . c_g + ||Q^T h|| rad_g + ||h_perp|| eps_g
-    (c_g the members' mean, rad_g = max ||a_i - c_g||, eps_g = max eps_i: Cauchy-Schwarz). members (G, size)
-    row ids, padded with V; rows (V + 1, r + 3) float32 [a_i, eps_i, 1, 0] (the pad row [0, 0, 0, -1e30]: never
-    a candidate); table (r + 3, G) float64 [c_g; eps_g; 1; rad_g] against [Q^T h, ||h_perp||, h . mu, ||Q^T h||]."""
+    (c_g the members' mean, rad_g = max ||a_i - c_g||, eps_g = max eps_i: Cauchy-Schwarz), at the coarse rank.
+    members (G, size) row ids (the last group padded with its own rows); rows (V, r + 1) float32 [a_i, eps_i] at
+    the fine rank, against [Q^T h, ||h_perp||]; table (r_g + 2, G) float64 [c_g; eps_g; rad_g] against
+    [Q_g^T h, ||h_perp_g||, ||Q_g^T h||]."""
 
     members: np.ndarray
     rows: np.ndarray
     table: np.ndarray
     size: int
+    q: np.ndarray  # (C, r_g) the group bound's directions (the first r_g of the rank-r table's: nested PCA)
+    eps_par: float
 
 
 def _kmeans(x: np.ndarray, n: int, iters: int = 8) -> np.ndarray:
     """(V, r) -> (V,) cluster labels (Lloyd's iterations from a seeded sample; deterministic)."""
     c = x[np.random.default_rng(0).choice(len(x), n, replace=False)]
     for _ in range(iters):
-        lab = np.concatenate([
-            ((x[s : s + 8192, None, :] - c[None]) ** 2).sum(-1).argmin(1) for s in range(0, len(x), 8192)
-        ])  # fmt: skip
+        lab = ((c * c).sum(1)[None] - 2 * x @ c.T).argmin(1)  # squared distances less the rows' own norms
         for j in range(n):
             m = lab == j
             if m.any():
@@ -91,9 +94,13 @@ def _kmeans(x: np.ndarray, n: int, iters: int = 8) -> np.ndarray:
     return lab
 
 
-def group_rows(a_t: np.ndarray, eps: np.ndarray, size: int = GROUP_SIZE, clusters: int = CLUSTERS) -> Groups:
-    """The groups of the bound table's rows (a_t (r, V) float32, eps (V,) float32 rounded up)."""
-    a = a_t.T.astype(np.float64)
+def group_rows(
+    coarse: dict[str, np.ndarray], bounds: dict[str, np.ndarray], size: int = GROUP_SIZE, clusters: int = CLUSTERS
+) -> Groups:
+    """The groups, bounded with the rank-r_g bound table `coarse` (a low rank keeps the groups' radii small), of
+    the rows whose upper bounds come from the rank-r table `bounds` (tables of gpt2edge.sparse.bounds)."""
+    a = coarse["a_t"].T.astype(np.float64)
+    eps = coarse["eps"].astype(np.float64)
     V, r = a.shape
     lab = _kmeans(a, min(clusters, V))
     chunks, rest = [], []
@@ -106,17 +113,17 @@ def group_rows(a_t: np.ndarray, eps: np.ndarray, size: int = GROUP_SIZE, cluster
     rest = np.concatenate(rest)  # leftovers in cluster order: neighbours stay neighbours
     chunks += [rest[s : s + size] for s in range(0, len(rest), size)]
     G = len(chunks)
-    members = np.full((G, size), V, dtype=np.int64)
-    table = np.zeros((r + 3, G))
+    members = np.empty((G, size), dtype=np.int64)
+    table = np.zeros((r + 2, G))
     for g, idx in enumerate(chunks):
-        members[g, : len(idx)] = idx
+        members[g] = np.resize(idx, size)  # a short group repeats its rows: a repeated best is never certified
         c = a[idx].mean(0)
         rad = np.linalg.norm(a[idx] - c, axis=1).max()
-        table[:, g] = [*c, eps[idx].max(), 1.0, rad * (1 + 1e-9) + 1e-12]  # rounded up: still a bound
-    rows = np.zeros((V + 1, r + 3), dtype=np.float32)
-    rows[:V, :r], rows[:V, r], rows[:V, r + 1] = a_t.T, eps, 1.0
-    rows[V, r + 2] = -1e30
-    return Groups(members, rows, table, size)
+        table[:, g] = [*c, eps[idx].max(), rad * (1 + 1e-9) + 1e-12]  # rounded up: still a bound
+    R = bounds["a_t"].shape[0]
+    rows = np.empty((V, R + 1), dtype=np.float32)
+    rows[:, :R], rows[:, R] = bounds["a_t"].T, bounds["eps"]
+    return Groups(members, rows, table, size, coarse["q"].astype(np.float64), float(coarse["eps_par"]))
 
 
 def fused_nodes(
@@ -125,11 +132,9 @@ def fused_nodes(
     """The nodes (reading `hidden`, writing OUTPUTS) and their initializers; k candidates per row from the
     members of the m best groups."""
     b = _Builder(opset)
-    V = len(bounds["eps"])
     C = len(bounds["mu"])
     G, S = groups.members.shape
-    m = min(m, G - 1)
-    k = min(k, (m - 1) * S - 1)  # m - 1 full groups always hold k + 1 real rows: a pad row never competes
+    k, m = candidates(k, m, groups)
     quant = table.codes is not None
     bs = table.block_size if quant else C
     kb = -(-C // bs)
@@ -141,8 +146,8 @@ def fused_nodes(
         hp = b.op("Pad", [h, b.const("pad", np.array([0, 0, 0, pad], np.int64))]) if pad else h
         hb = b.op("Reshape", [hp, b.const("blocks", np.array([0, kb, bs], np.int64))])  # (B, kb, bs)
         sa = b.op("Div", [b.reduce("ReduceMax", b.op("Abs", [hb]), 2), b.const("c127", np.float32(127))])
-        zero = b.op("Equal", [sa, b.const("zero", np.float32(0))])
-        inv = b.op("Where", [zero, b.const("zero_f", np.float32(0)), b.op("Div", [b.const("one", np.float32(1)), sa])])
+        # 1 / 0 = inf for an all-zero block: its 0 * inf = NaN reaches the bar, and NaN is never certified
+        inv = b.op("Div", [b.const("one", np.float32(1)), sa])
         qa = b.op("Round", [b.op("Mul", [hb, inv])])  # (B, kb, bs) integers in [-127, 127]
         he_p = b.op("Reshape", [b.op("Mul", [qa, sa]), b.const("flat", np.array([0, kb * bs], np.int64))])
         he = b.op("Slice", [he_p, b.const("s0", np.array([0], np.int64)), b.const("sC", np.array([C], np.int64)),
@@ -158,38 +163,41 @@ def fused_nodes(
     perp = b.op("Sqrt", [b.reduce("ReduceSum", b.op("Mul", [resid, resid]), 1)])
     perp = b.op("Mul", [perp, b.const("perp_up", np.float64(1 + 1e-5))])
     hmu = b.op("MatMul", [hd, b.const("mu", bounds["mu"].astype(np.float64)[:, None])])  # (B, 1)
-    norm_hq = b.op("Sqrt", [b.reduce("ReduceSum", b.op("Mul", [hq, hq]), 1)])
     norm_he = b.op("Sqrt", [b.reduce("ReduceSum", b.op("Mul", [hd, hd]), 1)])
-    slack = b.op("Add", [b.op("Mul", [norm_he, b.const("slack_scale", np.float64(slack_scale))]),
-                         b.op("Mul", [norm_hq, b.const("eps_par", np.float64(bounds["eps_par"]))])])  # fmt: skip
+    eps_par = max(float(bounds["eps_par"]), groups.eps_par)  # times ||Q^T h|| <= ||h||
+    slack = b.op("Mul", [norm_he, b.const("slack_scale", np.float64(slack_scale + eps_par))])
+    if groups.q.shape[1] == q.shape[1]:
+        hqg, perpg = hq, perp
+    else:  # the group bound's own (lower) rank: the same computation on the first r_g directions
+        hqg = b.op("MatMul", [hd, b.const("qg", groups.q)])
+        rg = b.op("Sub", [hd, b.op("MatMul", [hqg, b.const("qg_t", np.ascontiguousarray(groups.q.T))])])
+        perpg = b.op("Mul", [b.op("Sqrt", [b.reduce("ReduceSum", b.op("Mul", [rg, rg]), 1)]), P + "perp_up"])
+    norm_hq = b.op("Sqrt", [b.reduce("ReduceSum", b.op("Mul", [hqg, hqg]), 1)])
 
     # 3. the M groups of best group bound (each >= its members' upper bounds), their members' upper bounds, and
-    #    the k + 1 best of those: k candidates; every other row's bound is below the (M+1)-th group's or the
-    #    (k+1)-th member's
-    gb = b.op("MatMul", [b.op("Concat", [hq, perp, hmu, norm_hq], axis=1), b.const("group_table", groups.table)])
+    #    the k best of those: the candidates (TopK unsorted: the least selected value is the bar)
+    # h . mu is common to every row: left out of the scores, added to the bar
+    gb = b.op("MatMul", [b.op("Concat", [hqg, perpg, norm_hq], axis=1), b.const("group_table", groups.table)])
     gvals, gsel = (f"{P}group_values", f"{P}group_ids")
-    b.nodes.append(helper.make_node("TopK", [gb, b.const("m1", np.array([m + 1], np.int64))], [gvals, gsel],
-                                    name=P + "group_topk", axis=1, largest=1, sorted=1))  # fmt: skip
-    gfirst = b.op("Slice", [gsel, b.const("c0", np.array([0], np.int64)), b.const("cm", np.array([m], np.int64)),
-                            b.const("c1", np.array([1], np.int64))])  # fmt: skip
-    gbar = b.op("Slice", [gvals, P + "cm", b.const("cm1", np.array([m + 1], np.int64)), P + "c1"])  # (B, 1)
+    b.nodes.append(helper.make_node("TopK", [gb, b.const("m", np.array([m], np.int64))], [gvals, gsel],
+                                    name=P + "group_topk", axis=1, largest=1, sorted=0))  # fmt: skip
+    # every group left out scores at most the least selected one (none is left out of a small vocabulary)
+    gbar = b.const("no_group", np.full((1, 1), -1e300)) if m == G else b.reduce("ReduceMin", gvals, 1)
     flat_m = b.const("flat_m", np.array([0, m * S], np.int64))
-    members = b.op("Reshape", [b.op("Gather", [b.const("members", groups.members), gfirst]), flat_m])  # (B, M*S)
-    one = b.op("Add", [b.op("Mul", [hmu, b.const("zero_d", np.float64(0))]), b.const("one_d", np.float64(1))])
-    xm = b.op("Cast", [b.op("Concat", [hq, perp, hmu, one], axis=1)], to=F32)  # (B, r + 3)
+    members = b.op("Reshape", [b.op("Gather", [b.const("members", groups.members), gsel]), flat_m])  # (B, M*S)
+    xm = b.op("Cast", [b.op("Concat", [hq, perp], axis=1)], to=F32)  # (B, r + 1)
     # the groups' rows are stored group by group: one contiguous block per selected group
-    rows = b.op("Gather", [b.const("row_table", groups.rows[groups.members]), gfirst])  # (B, M, S, r + 3)
-    xcol = b.op("Unsqueeze", [xm, b.const("ax12", np.array([1, 3], np.int64))])  # (B, 1, r + 3, 1)
+    rows = b.op("Gather", [b.const("row_table", groups.rows[groups.members]), gsel])  # (B, M, S, r + 1)
+    xcol = b.op("Unsqueeze", [xm, b.const("ax13", np.array([1, 3], np.int64))])  # (B, 1, r + 1, 1)
     mub = b.op("Reshape", [b.op("MatMul", [rows, xcol]), flat_m])  # (B, M*S)
     vals, pos = (f"{P}topk_values", f"{P}topk_positions")
-    b.nodes.append(helper.make_node("TopK", [mub, b.const("k1", np.array([k + 1], np.int64))], [vals, pos],
-                                    name=P + "topk", axis=1, largest=1, sorted=1))  # fmt: skip
-    kpos = b.op("Slice", [pos, P + "c0", b.const("ck", np.array([k], np.int64)), P + "c1"])
-    cand = b.op("Min", [b.op("GatherElements", [members, kpos], axis=1), b.const("last", np.array(V - 1, np.int64))])
+    b.nodes.append(helper.make_node("TopK", [mub, b.const("k", np.array([k], np.int64))], [vals, pos],
+                                    name=P + "topk", axis=1, largest=1, sorted=0))  # fmt: skip
+    cand = b.op("GatherElements", [members, pos], axis=1)  # (B, k) row ids
     b.nodes.append(helper.make_node("Identity", [cand], [IDS], name=P + "ids"))
-    kth = b.op("Slice", [vals, P + "ck", b.const("ck1", np.array([k + 1], np.int64)), P + "c1"])
-    worst = b.op("Max", [b.op("Cast", [kth], to=F64), gbar])
-    b.nodes.append(helper.make_node("Add", [worst, slack], [BAR], name=P + "bar"))
+    # every member left out scores at most the least candidate
+    worst = b.op("Max", [b.op("Cast", [b.reduce("ReduceMin", vals, 1)], to=F64), gbar])
+    b.nodes.append(helper.make_node("Add", [worst, b.op("Add", [hmu, slack])], [BAR], name=P + "bar"))
 
     # 4. the candidates' exact logits (B, k), as exact.py computes them
     if not quant:
@@ -237,17 +245,18 @@ def groups_for(k: int) -> int:
 
 
 def slack_scale(bounds: dict[str, np.ndarray]) -> float:
-    """exact.py's HeadKernel.scale: the float rounding of a bound score, per unit of ||h_eff||."""
+    """exact.py's HeadKernel.scale: the float32 rounding of a member's bound score, per unit of ||h_eff|| (the
+    group bounds are computed in float64: their rounding is far inside it)."""
     r = bounds["q"].shape[1]
     size = float(np.linalg.norm(bounds["mu"])) + float(bounds["a_norm_max"]) + float(bounds["eps_max"])
     return (r + 2) * 1e-5 * size
 
 
 def candidates(k: int, m: int, groups: Groups) -> tuple[int, int]:
-    """(k, m) as the graph uses them (fused_nodes' clamps)."""
+    """(k, m) as the graph uses them: at most G groups, at most their m * size members."""
     G, S = groups.members.shape
-    m = min(m, G - 1)
-    return min(k, (m - 1) * S - 1), m
+    m = min(m, G)
+    return max(1, min(k, m * S)), m
 
 
 def add_fused(body: onnx.ModelProto, table: HeadTable, bounds: dict[str, np.ndarray], groups: Groups,

@@ -72,7 +72,7 @@ def sparse_head(
 
     from gpt2edge.quantize.graph import save_model, write_variant
     from gpt2edge.sparse.bounds import bound_table
-    from gpt2edge.sparse.fused import add_fused, candidates, group_rows, groups_for, slack_scale
+    from gpt2edge.sparse.fused import GROUP_RANK, add_fused, candidates, group_rows, groups_for, slack_scale
     from gpt2edge.sparse.graph import bound_model, split_head
 
     src, out = Path(src), Path(out)
@@ -87,7 +87,8 @@ def sparse_head(
         bounds = bound_table(table.dequantized(), rank)
         bar.update()
         # the certified step inside the body graph (fused.py): one session run per certified step
-        groups = group_rows(bounds["a_t"], bounds["eps"])
+        coarse = bounds if rank <= GROUP_RANK else bound_table(table.dequantized(), GROUP_RANK)
+        groups = group_rows(coarse, bounds)
         k, m = candidates(candidates_k, groups_for(candidates_k), groups)
         add_fused(body, table, bounds, groups, slack_scale(bounds), k, m)
         fused = {"candidates": k, "groups": m, "group_size": groups.size, "n_groups": len(groups.members)}

@@ -238,8 +238,9 @@ class SparseLM:
         self.k = sparse_k(params, logprobs) if self.graph.certify else None
 
     def forward(self, input_ids, attention_mask, position_ids, keep: int | None = None) -> np.ndarray:
-        fused = self.k is not None and self.fused is not None and self.k < self.fused.K
-        fused = fused and self.fused.arm(len(input_ids))
+        # the sparse outputs stay bound at the batch size of every run (beam search grows it), used or not
+        armed = self.fused is not None and self.fused.arm(len(input_ids))
+        fused = armed and self.k is not None and self.k < self.fused.K and bool(self.graph.fused_k)
         h = self.body.forward(input_ids, attention_mask, position_ids, keep)
         if keep is not None:  # a last-position graph: keep is 1 (OrtLM refuses more)
             h = h[:, -1]
