@@ -159,7 +159,8 @@ def test_numpy_path_identical(gens, monkeypatch, key):
 
 def test_fused_step_matches_numpy(gens):
     """The body graph's certified step on real hidden states: its candidates are the rows of best upper bound,
-    their logits are exact.py's, and its bar is above every other row's exact logit."""
+    their logits are exact.py's (float32 sums: within 2e-5 here, FUSED_TOL = 1.25e-4 allowed), and its bar is
+    above every other row's exact logit."""
     from gpt2edge.runtime.sparse_head.exact import HeadKernel
 
     for key in (("shared", "int8"), ("concat", "int4"), ("shared", "fp32")):
@@ -177,7 +178,7 @@ def test_fused_step_matches_numpy(gens):
             kernel.prepare(h[0])
             exact = kernel.full()
             f = lm.fused
-            np.testing.assert_allclose(f.logits[0], exact[f.ids[0]], rtol=1e-9, atol=1e-9)
+            np.testing.assert_allclose(f.logits[0], exact[f.ids[0]], rtol=1e-6, atol=2e-5)
             assert np.delete(exact, f.ids[0]).max() <= f.bar[0, 0]
             assert ((0 <= f.ids[0]) & (f.ids[0] < g.vocab_size)).all() and f.ids.shape == (1, f.K)
             nxt = np.array([[int(exact.argmax())]])
@@ -237,7 +238,7 @@ def test_fused_group_bounds_hold(grid, gens, key):
             ids, logits, bar = sess.run(None, {"hidden": h})
             kernel.prepare(h[0])
             exact = kernel.full()
-            np.testing.assert_allclose(logits[0], exact[ids[0]], rtol=1e-9, atol=1e-9)
+            np.testing.assert_allclose(logits[0], exact[ids[0]], rtol=1e-6, atol=2e-5)
             assert np.delete(exact, ids[0]).max() <= bar[0, 0]
             best = logits[0].max()
             if best - TIE > max(bar[0, 0], np.sort(logits[0])[-2]):

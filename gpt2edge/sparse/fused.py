@@ -2,20 +2,19 @@
 
 One ONNX Runtime run of the body then returns, besides `hidden` and the cache, per row:
   sparse_ids     (B, K) int64    the K rows of best upper bound;
-  sparse_logits  (B, K) float64  their exact logits, computed as exact.py computes them (so as the head's
-                                 kernel does, within its float rounding: the load-time self-check measures it);
+  sparse_logits  (B, K) float64  their logits: the kernel's activation (h_eff) times the rows in float32,
+                                 within ~1e-6 of exact.py's exact arithmetic (the load-time check allows TIE / 8);
   sparse_bar     (B, 1) float64  an upper bound on the logit of every other row: the least candidate's upper
                                  bound or the least selected group's, whichever is higher, plus h . mu and the
                                  float allowance (exact.py's slack).
 The runtime certifies a greedy step when the best candidate beats the runner-up and the bar by more than TIE,
 and else runs the full head (head.onnx) on `hidden`: one session run for a certified step, no V-wide work in
-Python either way. The arithmetic mirrors gpt2edge.runtime.sparse_head.exact step for step:
-  h_eff  the activation the kernel multiplies (level 4: h per block to int8, scale max|h_b| / 127, round half
-         to even: ONNX Round is numpy's rint);
-  ub     [Q^T h_eff, ||h_eff - Q Q^T h_eff|| (1 + 1e-5), h_eff . mu] (float64, then float32) @ [a_t; eps; 1];
-  exact  level 4: per-block integer dots (codes @ a block-diagonal of the int8 h: integers below 2^24, exact in
-         float32 in any order) minus zero_point * sum(q), times scale_ib * scale_b, summed in float64;
-         float kinds: the dequantized rows (or the fp32 rows) times h in float64.
+Python either way. The arithmetic follows gpt2edge.runtime.sparse_head.exact:
+  h_eff  the activation the kernel multiplies (level 4: h per block to int8, scale max|h_b| / 127, times the
+         reciprocal, round half to even: ONNX Round is numpy's rint), the one thing that must match exactly;
+  bounds the projection terms in float64; groups of rows bounded as a whole (Groups), then the selected groups'
+         members' bounds in float32 (exact.py's slack covers their rounding);
+  logits per block (codes - zero points, exact in float16) . h_eff_b, times the row's block scale, in float32.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ DEFAULT_GROUPS = 32  # M: groups whose members' bounds are computed per step
 GROUP_SIZE = 64  # S: rows per group
 CLUSTERS = 256  # k-means clusters the groups are cut from
 GROUP_RANK = 16  # the group bounds' rank (at most the table's): higher ranks widen the groups' radii
+PERP_UP = 1 + 1e-5  # ||h_perp|| is computed in float: eps_i is scaled up by this much (as lm.py's first pass does)
 P = "sparse_head."  # name prefix of every node and initializer added here
 F32, F64 = onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE
 
@@ -119,10 +119,10 @@ def group_rows(
         members[g] = np.resize(idx, size)  # a short group repeats its rows: a repeated best is never certified
         c = a[idx].mean(0)
         rad = np.linalg.norm(a[idx] - c, axis=1).max()
-        table[:, g] = [*c, eps[idx].max(), rad * (1 + 1e-9) + 1e-12]  # rounded up: still a bound
+        table[:, g] = [*c, eps[idx].max() * PERP_UP, rad * (1 + 1e-9) + 1e-12]  # rounded up: still a bound
     R = bounds["a_t"].shape[0]
     rows = np.empty((V, R + 1), dtype=np.float32)
-    rows[:, :R], rows[:, R] = bounds["a_t"].T, bounds["eps"]
+    rows[:, :R], rows[:, R] = bounds["a_t"].T, bounds["eps"] * np.float32(PERP_UP)
     return Groups(members, rows, table, size, coarse["q"].astype(np.float64), float(coarse["eps_par"]))
 
 
@@ -155,24 +155,21 @@ def fused_nodes(
     else:
         he = h
 
-    # 2. the bound's terms (float64, tiny): x = [Q^T h_eff, ||h_eff - Q Q^T h_eff|| (1 + 1e-5), h_eff . mu, ...]
+    # 2. the bound's terms (float64, tiny): Q^T h_eff, ||h_eff - Q Q^T h_eff|| (the build folds the 1 + 1e-5 that
+    #    covers its rounding into eps), h_eff . mu, ||h_eff|| for the float allowance
     hd = b.op("Cast", [he], to=F64)
     q = bounds["q"].astype(np.float64)
     hq = b.op("MatMul", [hd, b.const("q", q)])  # (B, r)
-    resid = b.op("Sub", [hd, b.op("MatMul", [hq, b.const("q_t", np.ascontiguousarray(q.T))])])
-    perp = b.op("Sqrt", [b.reduce("ReduceSum", b.op("Mul", [resid, resid]), 1)])
-    perp = b.op("Mul", [perp, b.const("perp_up", np.float64(1 + 1e-5))])
+    perp = b.reduce("ReduceL2", b.op("Sub", [hd, b.op("MatMul", [hq, b.const("q_t", np.ascontiguousarray(q.T))])]), 1)
     hmu = b.op("MatMul", [hd, b.const("mu", bounds["mu"].astype(np.float64)[:, None])])  # (B, 1)
-    norm_he = b.op("Sqrt", [b.reduce("ReduceSum", b.op("Mul", [hd, hd]), 1)])
     eps_par = max(float(bounds["eps_par"]), groups.eps_par)  # times ||Q^T h|| <= ||h||
-    slack = b.op("Mul", [norm_he, b.const("slack_scale", np.float64(slack_scale + eps_par))])
+    slack = b.op("Mul", [b.reduce("ReduceL2", hd, 1), b.const("slack_scale", np.float64(slack_scale + eps_par))])
     if groups.q.shape[1] == q.shape[1]:
         hqg, perpg = hq, perp
     else:  # the group bound's own (lower) rank: the same computation on the first r_g directions
         hqg = b.op("MatMul", [hd, b.const("qg", groups.q)])
-        rg = b.op("Sub", [hd, b.op("MatMul", [hqg, b.const("qg_t", np.ascontiguousarray(groups.q.T))])])
-        perpg = b.op("Mul", [b.op("Sqrt", [b.reduce("ReduceSum", b.op("Mul", [rg, rg]), 1)]), P + "perp_up"])
-    norm_hq = b.op("Sqrt", [b.reduce("ReduceSum", b.op("Mul", [hqg, hqg]), 1)])
+        perpg = b.reduce("ReduceL2", b.op("Sub", [hd, b.op("MatMul", [hqg, b.const("qg_t", groups.q.T.copy())])]), 1)
+    norm_hq = b.reduce("ReduceL2", hqg, 1)
 
     # 3. the M groups of best group bound (each >= its members' upper bounds), their members' upper bounds, and
     #    the k best of those: the candidates (TopK unsorted: the least selected value is the bar)
@@ -199,43 +196,25 @@ def fused_nodes(
     worst = b.op("Max", [b.op("Cast", [b.reduce("ReduceMin", vals, 1)], to=F64), gbar])
     b.nodes.append(helper.make_node("Add", [worst, b.op("Add", [hmu, slack])], [BAR], name=P + "bar"))
 
-    # 4. the candidates' exact logits (B, k), as exact.py computes them
+    # 4. the candidates' logits (B, k): their rows times the activation the kernel multiplies, in float32 (within
+    #    ~1e-6 of exact.py's exact integer arithmetic: the runtime's check and margin cover it)
+    ax2 = b.const("ax2", np.array([2], np.int64))
     if not quant:
-        w = b.op("Cast", [b.op("Gather", [b.const("weight", table.weight), cand])], to=F64)  # (B, k, C)
-        hcol = b.op("Unsqueeze", [hd, b.const("ax2", np.array([2], np.int64))])  # (B, C, 1)
-        dots = b.op("MatMul", [w, hcol])  # (B, k, 1)
-        b.nodes.append(helper.make_node("Squeeze", [dots, P + "ax2"], [LOGITS], name=P + "logits"))
+        w = b.op("Gather", [b.const("weight", table.weight), cand])  # (B, k, C)
+        dots = b.op("MatMul", [w, b.op("Unsqueeze", [he, ax2])])  # (B, k, 1)
+        b.nodes.append(helper.make_node("Cast", [b.op("Squeeze", [dots, ax2])], [LOGITS], name=P + "logits", to=F64))
         return b.nodes, b.inits
-    codes = b.op("Cast", [b.op("Gather", [b.const("codes", table.codes), cand])], to=F32)  # (B, k, C)
-    zp = b.op("Cast", [b.op("Gather", [b.const("zero_points", table.zero_points), cand])], to=F32)  # (B, k, kb)
+    # codes less zero points: small integers, exact in float16; per block, times the activation's block, then the
+    # row's block scales: sum_b scale_ib * (code_ib - zp_ib) . h_eff_b
+    zp = np.repeat(table.zero_points.astype(np.int16), bs, axis=1)[:, :C]
+    cz = (table.codes.astype(np.int16) - zp).astype(np.float16)
+    rows = b.op("Cast", [b.op("Gather", [b.const("codes_less_zero_points", cz), cand])], to=F32)  # (B, k, C)
+    mask = (np.arange(C)[:, None] // bs == np.arange(kb)[None]).astype(np.float32)  # (C, kb) block membership
+    hbd = b.op("Mul", [b.op("Unsqueeze", [he, ax2]), b.const("blockmask", mask)])  # (B, C, kb) block-diagonal h
+    dots = b.op("MatMul", [rows, hbd])  # (B, k, kb)
     sc = b.op("Gather", [b.const("scales", table.scales), cand])  # (B, k, kb)
-    if table.kind == "int8-activations":
-        # block-diagonal int8 h: (B, C, kb), column j holds block j's codes and zeros elsewhere
-        mask = (np.arange(C)[:, None] // bs == np.arange(kb)[None]).astype(np.float32)
-        qflat = b.op("Reshape", [qa, P + "flat"])
-        if pad:
-            qflat = b.op("Slice", [qflat, P + "s0", P + "sC", P + "s1"])
-        qcol = b.op("Unsqueeze", [qflat, b.const("ax2", np.array([2], np.int64))])  # (B, C, 1)
-        qbd = b.op("Mul", [qcol, b.const("blockmask", mask)])
-        dots = b.op("MatMul", [codes, qbd])  # (B, k, kb): exact integers
-        qsum = b.op("Unsqueeze", [b.reduce("ReduceSum", qa, 2, keepdims=0), b.const("ax1", np.array([1], np.int64))])
-        idots = b.op("Sub", [dots, b.op("Mul", [zp, qsum])])
-        sa_row = b.op("Unsqueeze", [b.op("Reshape", [sa, b.const("bkb", np.array([0, kb], np.int64))]), P + "ax1"])
-        ssa = b.op("Cast", [b.op("Mul", [sc, sa_row])], to=F64)  # float32 product, as exact.py
-        prod = b.op("Mul", [b.op("Cast", [idots], to=F64), ssa])
-        b.nodes.append(helper.make_node("ReduceSum", [prod, b.const("axes2", np.array([2], np.int64))], [LOGITS],
-                                        name=P + "logits", keepdims=0))  # fmt: skip
-        return b.nodes, b.inits
-    # float kind over codes: dequantized rows (B, k, kb, bs) times the zero-padded h, in float64
-    shape = b.const("rows4", np.array([0, 0, kb, bs], np.int64))
-    b.const("ax3", np.array([3], np.int64))
-    cpad = b.op("Pad", [codes, b.const("cpad", np.array([0, 0, 0, 0, 0, pad], np.int64))]) if pad else codes
-    deq = b.op("Mul", [b.op("Sub", [b.op("Reshape", [cpad, shape]), b.op("Unsqueeze", [zp, P + "ax3"])]),
-                       b.op("Unsqueeze", [sc, P + "ax3"])])  # fmt: skip
-    wrows = b.op("Cast", [b.op("Reshape", [deq, b.const("rows3", np.array([0, 0, kb * bs], np.int64))])], to=F64)
-    hpad = b.op("Pad", [hd, b.const("hpad", np.array([0, 0, 0, pad], np.int64))]) if pad else hd
-    dots = b.op("MatMul", [wrows, b.op("Unsqueeze", [hpad, b.const("ax2", np.array([2], np.int64))])])
-    b.nodes.append(helper.make_node("Squeeze", [dots, P + "ax2"], [LOGITS], name=P + "logits"))
+    logits = b.reduce("ReduceSum", b.op("Mul", [dots, sc]), 2, keepdims=0)
+    b.nodes.append(helper.make_node("Cast", [logits], [LOGITS], name=P + "logits", to=F64))
     return b.nodes, b.inits
 
 

@@ -26,7 +26,7 @@ from gpt2edge.errors import ModelFolderError
 from gpt2edge.manifest import resolve_inside
 from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
 from gpt2edge.runtime.sparse_head.exact import TIE, HeadKernel
-from gpt2edge.runtime.sparse_head.fused import IDS, FusedReader
+from gpt2edge.runtime.sparse_head.fused import FUSED_TOL, IDS, FusedReader
 from gpt2edge.runtime.sparse_head.policy import sparse_k
 from gpt2edge.runtime.sparse_head.record import FIX, SparseHeadInfo, load_table
 
@@ -159,26 +159,27 @@ class SparseGraph:
         return agree
 
     def _check_fused(self) -> bool:
-        """One body run on a short prompt: the graph's candidates' logits must be exact.py's (within 1e-9
-        relative) and its bar above every other row's logit; else (a graph built for another table) refused."""
+        """One body run on a short prompt: the graph's bar must be above every other row's logit (else a graph
+        built for another table: refused), and its candidates' logits within FUSED_TOL of exact.py's (else
+        warned: every step runs the NumPy path)."""
         lm = SparseLM(self)
-        lm.configure_head(None, fused_only=True)
         ids = (np.arange(3, dtype=np.int64) * 7919 % self.folder.dims.vocab_size)[None]
         lm.start(1, 3)
         lm.fused.arm(1)
         h = lm.body.forward(ids, np.ones_like(ids), np.arange(3)[None])
         kernel = HeadKernel(self.table, self.rec.kind, self.folder.dims.n_embd)
         kernel.prepare(h[0])
-        f = lm.fused
-        exact = kernel.full()
-        others = np.delete(exact, f.ids[0])
-        ok = np.allclose(exact[f.ids[0]], f.logits[0], rtol=1e-9, atol=1e-9) and others.max() <= f.bar[0, 0]
-        if not ok:
+        f, exact = lm.fused, kernel.full()
+        if np.delete(exact, f.ids[0]).max() > f.bar[0, 0]:
             raise ModelFolderError(
-                f"{self.folder.path}: the body graph's sparse step does not match the sparse head's table (built "
-                f"for another model, or edited); {FIX}."
+                f"{self.folder.path}: the body graph's sparse step does not bound the head's logits (built for "
+                f"another model, or edited); {FIX}."
             )
-        return True
+        err = float(np.abs(exact[f.ids[0]] - f.logits[0]).max())
+        if err > FUSED_TOL:
+            warnings.warn(f"{self.folder.path}: the body graph's sparse logits are off the head's arithmetic by "
+                          f"{err:.2g} (> {FUSED_TOL}); the sparse step runs in NumPy.", stacklevel=3)  # fmt: skip
+        return err <= FUSED_TOL
 
     def first_pass(self, kernel: HeadKernel, he: np.ndarray) -> tuple[np.ndarray, float, float]:
         """(ub, residual norm, slack): every row's upper bound for the activation he (C,), the norm that scales
@@ -230,11 +231,8 @@ class SparseLM:
         self.k = None  # a loop that never configures the head (beam search, scoring) gets log-probs
         self.body.start(batch, length)
 
-    def configure_head(self, params, logprobs: bool = False, fused_only: bool = False) -> None:
+    def configure_head(self, params, logprobs: bool = False) -> None:
         """Serve the coming steps sparsely when the call's choice depends only on the k best logits."""
-        if fused_only:  # the load-time check
-            self.k = 1
-            return
         self.k = sparse_k(params, logprobs) if self.graph.certify else None
 
     def forward(self, input_ids, attention_mask, position_ids, keep: int | None = None) -> np.ndarray:
