@@ -59,7 +59,9 @@ class FusedReader:
         if k == 1:
             j = int(ex.argmax())
             best = ex[j]
-            second = np.max(np.delete(ex, j)) if self.K > 1 else -np.inf
+            ex[j] = -np.inf  # our own buffer, rewritten by the next run: the runner-up without a copy
+            second = ex.max()
+            ex[j] = best
             return bool(best - TIE > bar and best - TIE > second)
         top = np.partition(ex, self.K - k - 1)[self.K - k - 1 :]  # the k + 1 best, the (k+1)-th first
         kth = top[1:].min()
@@ -76,7 +78,7 @@ class FusedReader:
             out[last] = -np.inf
         ids = self.ids[b].copy()
         ex = self.logits[b]
-        out[ids] = (ex - ex.max()).astype(np.float32)
+        out[ids] = ex - ex.max()
         self._written[b] = ids
         return out
 
