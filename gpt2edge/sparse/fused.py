@@ -12,8 +12,8 @@ and else runs the full head (head.onnx) on `hidden`: one session run for a certi
 Python either way. The arithmetic follows gpt2edge.runtime.sparse_head.exact:
   h_eff  the activation the kernel multiplies (level 4: h per block to int8, scale max|h_b| / 127, times the
          reciprocal, round half to even: ONNX Round is numpy's rint), the one thing that must match exactly;
-  bounds the projection terms in float64; groups of rows bounded as a whole (Groups), then the selected groups'
-         members' bounds in float32 (exact.py's slack covers their rounding);
+  bounds the projection terms, groups of rows bounded as a whole (Groups), then the selected groups' members'
+         bounds, all in float32 (exact.py's slack, ~1e-3 ||h_eff||, covers their rounding: ~1e-5 ||h_eff||);
   logits per block (codes - zero points, exact in float16) . h_eff_b, times the row's block scale, in float32.
 """
 
@@ -71,7 +71,7 @@ class Groups:
         max_{i in g} (Q^T h) . a_i + ||h_perp|| eps_i  <=  (Q^T h) . c_g + ||Q^T h|| rad_g + ||h_perp|| eps_g
     (c_g the members' mean, rad_g = max ||a_i - c_g||, eps_g = max eps_i: Cauchy-Schwarz), at the coarse rank.
     members (G, size) row ids (the last group padded with its own rows); rows (V, r + 1) float32 [a_i, eps_i] at
-    the fine rank, against [Q^T h, ||h_perp||]; table (r_g + 2, G) float64 [c_g; eps_g; rad_g] against
+    the fine rank, against [Q^T h, ||h_perp||]; table (r_g + 2, G) float32 [c_g; eps_g; rad_g] against
     [Q_g^T h, ||h_perp_g||, ||Q_g^T h||]."""
 
     members: np.ndarray
@@ -117,13 +117,15 @@ def group_rows(
     table = np.zeros((r + 2, G))
     for g, idx in enumerate(chunks):
         members[g] = np.resize(idx, size)  # a short group repeats its rows: a repeated best is never certified
-        c = a[idx].mean(0)
+        c = a[idx].mean(0).astype(np.float32).astype(np.float64)  # the centre the graph stores
         rad = np.linalg.norm(a[idx] - c, axis=1).max()
-        table[:, g] = [*c, eps[idx].max() * PERP_UP, rad * (1 + 1e-9) + 1e-12]  # rounded up: still a bound
+        table[:, g] = [*c, eps[idx].max() * PERP_UP, rad * (1 + 1e-6) + 1e-9]  # rounded up: still a bound
     R = bounds["a_t"].shape[0]
     rows = np.empty((V, R + 1), dtype=np.float32)
     rows[:, :R], rows[:, R] = bounds["a_t"].T, bounds["eps"] * np.float32(PERP_UP)
-    return Groups(members, rows, table, size, coarse["q"].astype(np.float64), float(coarse["eps_par"]))
+    table = table.astype(np.float32)
+    table[-2:] = np.nextafter(table[-2:], np.float32(np.inf))  # eps_g and rad_g stay upper bounds in float32
+    return Groups(members, rows, table, size, coarse["q"].astype(np.float32), float(coarse["eps_par"]))
 
 
 def fused_nodes(
@@ -155,20 +157,20 @@ def fused_nodes(
     else:
         he = h
 
-    # 2. the bound's terms (float64, tiny): Q^T h_eff, ||h_eff - Q Q^T h_eff|| (the build folds the 1 + 1e-5 that
+    # 2. the bound's terms (float32, tiny): Q^T h_eff, ||h_eff - Q Q^T h_eff|| (the build folds the 1 + 1e-5 that
     #    covers its rounding into eps), h_eff . mu, ||h_eff|| for the float allowance
-    hd = b.op("Cast", [he], to=F64)
-    q = bounds["q"].astype(np.float64)
-    hq = b.op("MatMul", [hd, b.const("q", q)])  # (B, r)
-    perp = b.reduce("ReduceL2", b.op("Sub", [hd, b.op("MatMul", [hq, b.const("q_t", np.ascontiguousarray(q.T))])]), 1)
-    hmu = b.op("MatMul", [hd, b.const("mu", bounds["mu"].astype(np.float64)[:, None])])  # (B, 1)
+    q = bounds["q"].astype(np.float32)
+    hq = b.op("MatMul", [he, b.const("q", q)])  # (B, r)
+    perp = b.reduce("ReduceL2", b.op("Sub", [he, b.op("MatMul", [hq, b.const("q_t", np.ascontiguousarray(q.T))])]), 1)
+    hmu = b.op("MatMul", [he, b.const("mu", bounds["mu"].astype(np.float32)[:, None])])  # (B, 1)
     eps_par = max(float(bounds["eps_par"]), groups.eps_par)  # times ||Q^T h|| <= ||h||
-    slack = b.op("Mul", [b.reduce("ReduceL2", hd, 1), b.const("slack_scale", np.float64(slack_scale + eps_par))])
+    slack = b.op("Mul", [b.reduce("ReduceL2", he, 1), b.const("slack_scale", np.float32(slack_scale + eps_par))])
     if groups.q.shape[1] == q.shape[1]:
         hqg, perpg = hq, perp
     else:  # the group bound's own (lower) rank: the same computation on the first r_g directions
-        hqg = b.op("MatMul", [hd, b.const("qg", groups.q)])
-        perpg = b.reduce("ReduceL2", b.op("Sub", [hd, b.op("MatMul", [hqg, b.const("qg_t", groups.q.T.copy())])]), 1)
+        qg = groups.q.astype(np.float32)
+        hqg = b.op("MatMul", [he, b.const("qg", qg)])
+        perpg = b.reduce("ReduceL2", b.op("Sub", [he, b.op("MatMul", [hqg, b.const("qg_t", qg.T.copy())])]), 1)
     norm_hq = b.reduce("ReduceL2", hqg, 1)
 
     # 3. the M groups of best group bound (each >= its members' upper bounds), their members' upper bounds, and
@@ -179,10 +181,10 @@ def fused_nodes(
     b.nodes.append(helper.make_node("TopK", [gb, b.const("m", np.array([m], np.int64))], [gvals, gsel],
                                     name=P + "group_topk", axis=1, largest=1, sorted=0))  # fmt: skip
     # every group left out scores at most the least selected one (none is left out of a small vocabulary)
-    gbar = b.const("no_group", np.full((1, 1), -1e300)) if m == G else b.reduce("ReduceMin", gvals, 1)
+    gbar = b.const("no_group", np.full((1, 1), -3e38, np.float32)) if m == G else b.reduce("ReduceMin", gvals, 1)
     flat_m = b.const("flat_m", np.array([0, m * S], np.int64))
     members = b.op("Reshape", [b.op("Gather", [b.const("members", groups.members), gsel]), flat_m])  # (B, M*S)
-    xm = b.op("Cast", [b.op("Concat", [hq, perp], axis=1)], to=F32)  # (B, r + 1)
+    xm = b.op("Concat", [hq, perp], axis=1)  # (B, r + 1)
     # the groups' rows are stored group by group: one contiguous block per selected group
     rows = b.op("Gather", [b.const("row_table", groups.rows[groups.members]), gsel])  # (B, M, S, r + 1)
     xcol = b.op("Unsqueeze", [xm, b.const("ax13", np.array([1, 3], np.int64))])  # (B, 1, r + 1, 1)
@@ -193,8 +195,9 @@ def fused_nodes(
     cand = b.op("GatherElements", [members, pos], axis=1)  # (B, k) row ids
     b.nodes.append(helper.make_node("Identity", [cand], [IDS], name=P + "ids"))
     # every member left out scores at most the least candidate
-    worst = b.op("Max", [b.op("Cast", [b.reduce("ReduceMin", vals, 1)], to=F64), gbar])
-    b.nodes.append(helper.make_node("Add", [worst, b.op("Add", [hmu, slack])], [BAR], name=P + "bar"))
+    worst = b.op("Max", [b.reduce("ReduceMin", vals, 1), gbar])
+    bar = b.op("Add", [worst, b.op("Add", [hmu, slack])])
+    b.nodes.append(helper.make_node("Cast", [bar], [BAR], name=P + "bar", to=F64))
 
     # 4. the candidates' logits (B, k): their rows times the activation the kernel multiplies, in float32 (within
     #    ~1e-6 of exact.py's exact integer arithmetic: the runtime's check and margin cover it)
@@ -225,7 +228,7 @@ def groups_for(k: int) -> int:
 
 def slack_scale(bounds: dict[str, np.ndarray]) -> float:
     """exact.py's HeadKernel.scale: the float32 rounding of a member's bound score, per unit of ||h_eff|| (the
-    group bounds are computed in float64: their rounding is far inside it)."""
+    group bounds' float32 rounding is of the same size, far inside it)."""
     r = bounds["q"].shape[1]
     size = float(np.linalg.norm(bounds["mu"])) + float(bounds["a_norm_max"]) + float(bounds["eps_max"])
     return (r + 2) * 1e-5 * size
