@@ -246,3 +246,28 @@ def test_fused_group_bounds_hold(grid, gens, key):
                 certified += 1
                 assert ids[0][logits[0].argmax()] == g.full_head(h)[0].argmax()
     assert certified > 0
+
+
+def test_fused_certificate_rules():
+    """The runtime's check of the graph's outputs: the margin over the runner-up and over the bar, NaN (outputs
+    not written) never certified, and a candidate repeated (a short group's padding) never counted twice."""
+    from types import SimpleNamespace
+
+    from gpt2edge.runtime.sparse_head.fused import FusedReader
+
+    r = FusedReader(SimpleNamespace(binding=None), 4, 10)
+    assert not r.arm(1)  # no IO binding: the outputs are not fetched
+
+    def check(ids, logits, bar, k):
+        r.ids, r.logits, r.bar = np.array([ids]), np.array([logits], dtype=float), np.array([[bar]], dtype=float)
+        return r.certified(0, k)
+
+    assert check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 3.0, 1)
+    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 4.9995, 1)  # within TIE of the bar
+    assert not check([3, 4, 5, 7], [5.0, 4.9995, 1.0, 0.5], 3.0, 1)  # within TIE of the runner-up
+    assert not check([3, 3, 5, 7], [5.0, 5.0, 1.0, 0.5], 0.0, 1)  # the best twice: not above its runner-up
+    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], float("nan"), 1)
+    assert check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 0.0, 2)
+    assert not check([3, 3, 5, 7], [5.0, 5.0, 1.0, 0.5], 0.0, 2)  # the two best are one row
+    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 3.9995, 2)
+    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 0.0, 4)  # k must leave a runner-up among the K

@@ -52,7 +52,8 @@ class FusedReader:
         return True
 
     def certified(self, b: int, k: int) -> bool:
-        """Whether row b's k best tokens (in order) are its best candidates, by more than TIE."""
+        """Whether row b's k best tokens (in order) are its best candidates, by more than TIE. (A repeated
+        candidate carries the same logit both times: a repeated best is no better than its runner-up.)"""
         bar, ex = self.bar[b, 0], self.logits[b]
         if not bar == bar or k >= self.K:  # NaN: the run did not write the outputs
             return False
@@ -63,9 +64,11 @@ class FusedReader:
             second = ex.max()
             ex[j] = best
             return bool(best - TIE > bar and best - TIE > second)
-        top = np.partition(ex, self.K - k - 1)[self.K - k - 1 :]  # the k + 1 best, the (k+1)-th first
-        kth = top[1:].min()
-        return bool(kth - TIE > bar and kth - TIE > top[0])
+        order = np.argpartition(ex, self.K - k - 1)[self.K - k - 1 :]  # the k + 1 best, the (k+1)-th first
+        kth = ex[order[1:]].min()
+        # a short group repeats rows, so a row may be a candidate twice: the k best must be k rows
+        distinct = np.unique(self.ids[b, order[1:]]).size == k
+        return bool(distinct and kth - TIE > bar and kth - TIE > ex[order[0]])
 
     def row(self, b: int) -> np.ndarray:
         """Row b of the returned (B, V) rows: the candidates' exact logits shifted so the best is 0, -inf
