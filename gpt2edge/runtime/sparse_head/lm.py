@@ -84,7 +84,8 @@ class SparseGraph:
                 f"{folder.dims.n_embd}) hidden state its sparse_head record describes; {FIX}."
             )
         self.head_path = resolve_inside(folder.path, rec.head_file)
-        self.head = create_session(self.head_path, device=device, threads=threads, spin=spin)
+        # one thread, on the caller's: a second pool spinning beside the body's would take its cores (2x slower)
+        self.head = create_session(self.head_path, device=device, threads=1 if device == "cpu" else threads)
         self.bound_path = resolve_inside(folder.path, rec.bound_file)
         self.bound = create_session(self.bound_path, device=device, threads=1)
         self.run_options = quiet_run_options()
