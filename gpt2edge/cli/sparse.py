@@ -41,8 +41,9 @@ def sparse_head(model_dir, out, rank, candidates, force, as_json) -> None:
         print_json(manifest)
         return
     s = manifest["sparse_head"]
+    f = s["fused"]
     click.echo(
-        f"wrote {out}: sparse head ({s['kind']}, rank {s['rank']}): a {s['bound_table_bytes'] / 1e6:.1f} MB bound "
-        f"table bounds every token, then at most {s['fused']['candidates']} exact rows of the "
-        f"{s['head_table_bytes'] / 1e6:.1f} MB head table a step"
+        f"wrote {out}: sparse head ({s['kind']}, rank {s['rank']}): each step bounds {f['n_groups']} groups of "
+        f"{f['group_size']} tokens, then the tokens of the best {f['groups']}, then reads at most {f['candidates']} "
+        f"rows of the {s['head_table_bytes'] / 1e6:.1f} MB head table"
     )
