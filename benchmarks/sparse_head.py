@@ -6,9 +6,10 @@
 
 Builds (once, under --work) the shared-cache fp32 export of --model, its int8 and int4 variants and the sparse
 head of each (`gpt2edge sparse-head`). Then, round by round (order alternating, each pair under
-`flock $BENCH_LOCK`), decodes the same prompts with the full and the sparse folder: greedy and top-k 40
-sampling (temperature 0.8, seeded). Prints per precision and workload: decode ms/token (median of the
-generate() medians) of each, the per-round ratio (median and range), whether every token matched, the
+`flock $BENCH_LOCK`), decodes each prompt with the full and the sparse folder, the order alternating per
+prompt and round: greedy and top-k 40 sampling (temperature 0.8, seeded). Prints per precision and workload:
+decode ms/token (median of the generate() medians) of each, the per-(round, prompt) ratio (median and
+range), whether every token matched, the
 fraction of steps certified and of head rows read. --random repeats the certification figures on a
 random-weight model of the same shape (flat distributions: nothing to certify). --breakdown first times a
 step's parts (full forward, the sparse body run with its fused certified step, the head graph, the sparse
@@ -58,10 +59,10 @@ def build(model: str, work: Path, rank: int, candidates: int = 256) -> dict[str,
     return out
 
 
-def decode(gen, kw: dict, tokens: int) -> tuple[float, list[list[int]]]:
+def decode(gen, kw: dict, tokens: int, prompts: list[str] = PROMPTS) -> tuple[float, list[list[int]]]:
     """Median over the prompts of generate()'s decode median (ms/token), and the token ids."""
     times, ids = [], []
-    for p in PROMPTS:
+    for p in prompts:
         r = gen.generate(p, max_new_tokens=tokens, ignore_eos=True, **kw)
         times.append(r.timings["decode_ms_per_token_median"])
         ids.append(r.token_ids)
@@ -201,14 +202,15 @@ def main() -> None:
             sparse.graph.reset_stats()
             rows = {"full": [], "sparse": [], "ratio": [], "identical": True}
             for r in range(args.rounds):
-                order = [("full", full), ("sparse", sparse)][:: 1 if r % 2 == 0 else -1]
-                got = {}
-                for label, gen in order:
-                    got[label] = locked(lambda g=gen, kw=kw: decode(g, kw, args.tokens))
-                rows["full"].append(got["full"][0])
-                rows["sparse"].append(got["sparse"][0])
-                rows["ratio"].append(got["full"][0] / got["sparse"][0])
-                rows["identical"] &= got["full"][1] == got["sparse"][1]
+                for i, prompt in enumerate(PROMPTS):  # A B / B A per prompt: a shared host's load drifts in seconds
+                    order = [("full", full), ("sparse", sparse)][:: 1 if (r + i) % 2 == 0 else -1]
+                    got = {}
+                    for label, gen in order:
+                        got[label] = locked(lambda g=gen, kw=kw, p=prompt: decode(g, kw, args.tokens, [p]))
+                    rows["full"].append(got["full"][0])
+                    rows["sparse"].append(got["sparse"][0])
+                    rows["ratio"].append(got["full"][0] / got["sparse"][0])
+                    rows["identical"] &= got["full"][1] == got["sparse"][1]
             stats = sparse.graph.stats.to_json(sparse.graph.vocab_size)
             results[f"{p} {name}"] = dict(
                 full_ms=st.median(rows["full"]),
