@@ -82,6 +82,7 @@ def library_choices() -> dict[tuple[str, str], tuple]:
     from gpt2edge.runtime.model.ort_session import PROVIDERS
     from gpt2edge.runtime.score import METHODS
     from gpt2edge.serve.hosting.config import SCHEDULERS
+    from gpt2edge.sparse.modes import SPARSE_MODES
 
     devices = {(c, "device"): tuple(PROVIDERS) for c in ("generate", "bench", "score", "serve")}
     return {
@@ -98,6 +99,7 @@ def library_choices() -> dict[tuple[str, str], tuple]:
         ("generate", "early_stopping"): EARLY_STOPPING_NAMES,
         ("score", "method"): METHODS,
         ("serve", "scheduler"): SCHEDULERS,
+        ("sparse-head", "mode"): SPARSE_MODES,
         **devices,
     }
 

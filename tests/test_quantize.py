@@ -541,3 +541,23 @@ def test_reports_on_stdout_and_json_stdout_is_pure(tiny_export, variants, tmp_pa
     r = CliRunner().invoke(main, ["parity", *pair, "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["violations"] == []
     assert "mean KL(ref || variant)" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "mode, n_embd, n_inner, block, op",
+    [
+        ("int4", 1600, 6400, 256, "MatMulNBits"),  # gpt2-xl: 256 pads K = 1600 to 1792 (12 %), measured faster than 64
+        ("int8", 1600, 6400, 128, "DynamicQuantizeMatMul"),  # per-column int8: no block to pad
+        ("int4", 160, 640, 32, "MatMulNBits"),  # trained-gpt2-py: 256 would pad 160 by 60 %, so the block shrinks
+        ("int8", 160, 640, 32, "MatMulNBits"),
+        ("int4", 768, 3072, 256, "MatMulNBits"),  # GPT-2 small: divides, nothing changes
+        ("int8", 768, 3072, 128, "MatMulNBits"),
+    ],
+)
+def test_avx512_target_pads_unaligned_rows(mode, n_embd, n_inner, block, op):
+    """The avx512-vnni target pads rows its default block does not divide (at most 12.5 % more bytes) instead of
+    shrinking the block, and int8 layers switch to the per-column op there; the built-in defaults still shrink."""
+    r = make_recipe(mode, target="avx512-vnni").fitted(n_embd, n_inner)
+    assert (r.block_size, r.int8_op) == (block, op)
+    plain = make_recipe(mode).fitted(n_embd, n_inner)
+    assert plain.int8_op == "MatMulNBits" and plain.block_size <= block

@@ -92,6 +92,9 @@ def generate(
         speculative = dict(draft=draft, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)
         with warnings_to_stderr():
             gen = Generator(model_dir, device=device, threads=threads, verify=not no_verify, **speculative)
+        if getattr(gen.graph, "approximate", None):  # sparse-head --mode cluster: say so before any output
+            click.echo(f"note: {model_dir} has an approximate LM head ({gen.graph.rec.mode}): not the model's own "
+                       "distribution", err=True)  # fmt: skip
         # the CLI always passes the mode: the folder's generation_config decides it unless a flag does
         sample = do_sample if do_sample is not None else gen.sampling_params().do_sample
         knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, seed=seed)

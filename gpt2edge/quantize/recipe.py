@@ -41,6 +41,8 @@ class Recipe:
     block_defaulted: bool = False  # block_size is the mode's default, not asked for: fitted() may shrink it
     target: str | None = None  # the CPU the defaults were chosen for (targets.py); None: the built-in defaults
     int8_op: str = "MatMulNBits"  # int8 layers: weight-only MatMulNBits, or DynamicQuantizeMatMul (u8s8 GEMM)
+    pad_unaligned: bool = False  # a default block that does not divide the rows pads them (<= 12.5 %) instead
+    int8_op_unaligned: str | None = None  # and int8 layers then use this op (None: int8_op at a smaller block)
 
     @property
     def weight_bits(self) -> int | None:
@@ -61,8 +63,9 @@ class Recipe:
         """The recipe as the graph will hold it: an embedding table's rows are dequantized whole, so its block
         is the largest power of two up to the asked one that divides n_embd; a width none of 16..256 divides is
         refused here, before any work. A default block_size shrinks likewise to divide every matrix's rows
-        (n_embd and n_inner), so no block is padded (gpt2-xl's 1600: 64, not 256 with 12 % padding); one the
-        user asked for is kept (rows are padded to whole blocks)."""
+        (n_embd and n_inner), so no block is padded (gpt2-xl's 1600: 64, not 256 with 12 % padding), unless the
+        target pads (`pad_unaligned`: a larger block costing at most 12.5 % padding beats a smaller one there;
+        int8 then switches to its `int8_op_unaligned`); one the user asked for is kept (rows padded)."""
         from gpt2edge.quantize.primitives import BLOCK_SIZES, POSITION_BLOCK_SIZE, embedding_block_size
 
         if self.mode == "fp16":
@@ -71,7 +74,14 @@ class Recipe:
         if self.block_defaulted:
             rows = [n_embd, n_inner or 4 * n_embd]
             block = min([self.block_size, *(k & -k for k in rows)])  # the largest power of two dividing each
-            if block >= BLOCK_SIZES[0]:
+            # the largest block up to the default whose padding costs at most 1/8 more bytes on every row
+            pad = next((b for b in BLOCK_SIZES[::-1] if b <= self.block_size and padded(rows, b) <= 1.125), block)
+            if self.pad_unaligned and pad > block:
+                if self.mode == "int8" and self.int8_op_unaligned is not None:
+                    fit = replace(self, int8_op=self.int8_op_unaligned)  # a per-column op has no blocks to pad
+                else:
+                    fit = replace(self, block_size=pad)
+            elif block >= BLOCK_SIZES[0]:
                 fit = replace(self, block_size=block)
         head = None if fit.head_bits is None else embedding_block_size(n_embd, fit.head_block_size)
         return replace(fit, head_block=head, position_block=embedding_block_size(n_embd, POSITION_BLOCK_SIZE))
@@ -97,6 +107,11 @@ class Recipe:
         if self.target is not None:
             out["target"] = self.target
         return out
+
+
+def padded(rows: list[int], block: int) -> float:
+    """The largest factor by which padding to whole blocks grows a row."""
+    return max(-(-k // block) * block / k for k in rows)
 
 
 def make_recipe(
@@ -147,6 +162,8 @@ def make_recipe(
         head_bits = tuned.head_bits
     head_bits = None if keep_head_fp32 else (8 if head_bits is None else head_bits)
     int8_op = tuned.int8_op if tuned is not None and mode == "int8" else "MatMulNBits"
+    pad_unaligned = tuned is not None and tuned.pad_unaligned
+    int8_op_unaligned = tuned.int8_op_unaligned if tuned is not None and int8_op == "MatMulNBits" else None
     return Recipe(
         mode,
         block_size,
@@ -156,4 +173,6 @@ def make_recipe(
         block_defaulted=block_defaulted,
         target=target,
         int8_op=int8_op,
+        pad_unaligned=pad_unaligned,
+        int8_op_unaligned=int8_op_unaligned,
     )

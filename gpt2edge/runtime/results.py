@@ -38,12 +38,15 @@ class GenerationResult:
     timings: dict[str, float]
     logprobs: list[TokenLogprob] | None = None
     sequence_score: float | None = None  # beam search: sum of log-probs / generated_len ** length_penalty
+    head: dict | None = None  # set by an approximate sparse head: {"approximate": True, "mode": ...}
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.update(out.pop("timings"))  # timings flat: prefill_ms, decode_ms_per_token_mean, ...
         if out["logprobs"] is None:
             del out["logprobs"]  # not asked for
+        if out["head"] is None:
+            del out["head"]  # the model's own head
         return out
 
 
@@ -65,6 +68,7 @@ def results_of(state: GenerationState) -> list[GenerationResult]:
     for prompt, ids, reason, text in zip(state.prompts, state.generated, state.finish_reasons, state.texts):
         text.finish()  # an interrupted row may end inside a character
         results.append(GenerationResult(text.text, list(ids), list(prompt), reason or "length", dict(timings)))
+        results[-1].head = state.head
     if state.logprobs is not None:
         for r, rows in zip(results, state.logprobs.rows):
             r.logprobs = rows

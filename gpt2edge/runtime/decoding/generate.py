@@ -43,6 +43,7 @@ class GenerationState:
     sampler_ms: list[float] = field(default_factory=list)  # one entry per sampled token step
     wall_ms: float = 0.0  # from the start of the prefill to the last sampled token
     logprobs: LogprobRecorder | None = None  # set to record each generated token's log-prob (and top-N)
+    head: dict | None = None  # an approximate sparse head's description (runtime/sparse_head/approx.py)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, total: int) -> tuple[np.ndarray, np.ndarray]:
@@ -171,8 +172,8 @@ def generate(
 def configure_head(lm: OrtLM, state: GenerationState) -> None:
     """A sparse head (gpt2edge.runtime.sparse_head) serves the steps this call allows; other LMs ignore it."""
     configure = getattr(lm, "configure_head", None)
-    if configure is not None:
-        configure(state.params, state.logprobs is not None)
+    if configure is not None:  # an approximate head describes itself (the result says so), others return None
+        state.head = configure(state.params, state.logprobs is not None)
 
 
 def iter_generate(lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, pad_id: int) -> Iterator[Step]:

@@ -112,10 +112,10 @@ def load_graph(
     if folder.graph.static is not None:
         return StaticGraph.from_folder(folder, device=device, threads=threads)
     if folder.info.raw.get("sparse_head") is not None:  # the body here, the head in runtime/sparse_head
-        from gpt2edge.runtime.sparse_head.lm import SparseGraph
+        from gpt2edge.runtime.sparse_head.approx import sparse_graph  # exact, or an approximate mode
 
         body = OrtGraph(folder, device=device, threads=threads, spin=spin, output="hidden")
-        return SparseGraph(body, device=device, threads=threads, spin=spin)
+        return sparse_graph(body, device=device, threads=threads, spin=spin)
     return OrtGraph(folder, device=device, threads=threads, spin=spin)
 
 
