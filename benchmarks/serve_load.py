@@ -61,6 +61,9 @@ class Level:
     itl_p99_ms: float
     server_ttft_p50_ms: float  # the server's own histogram (arrival -> first token), no client or network delay
     errors: int
+    # the server's own accounting over the level (continuous batching's /health): decode steps, joins (prefill
+    # groups), seconds in steps, prefills, copies into cache rows and re-packs; mean rows per step
+    server: dict | None = None
 
 
 def prompts(n: int, words: int) -> list[str]:
@@ -115,7 +118,7 @@ async def run_level(url: str, c: int, n: int, texts: list[str], max_tokens: int,
                 print(f"  request failed: {e}", file=sys.stderr)
 
     limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
-    buckets0 = ttft_buckets(url)
+    buckets0, health0 = ttft_buckets(url), health(url)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(c)))
@@ -123,9 +126,26 @@ async def run_level(url: str, c: int, n: int, texts: list[str], max_tokens: int,
     server_ttft = histogram_quantile(buckets0, ttft_buckets(url), 0.5) * 1e3
     pct = lambda key, q: float(np.nanpercentile([r[key] for r in results], q)) * 1e3  # noqa: E731
     gaps = np.concatenate([r["gaps"] for r in results]) * 1e3
-    return Level(name, rnd, c, len(results), seconds, sum(r["tokens"] for r in results) / seconds,
+    tokens = sum(r["tokens"] for r in results)
+    return Level(name, rnd, c, len(results), seconds, tokens / seconds,
                  pct("latency", 50), pct("latency", 99), pct("ttft", 50), pct("ttft", 99),
-                 float(np.percentile(gaps, 50)), float(np.percentile(gaps, 99)), server_ttft, errors)  # fmt: skip
+                 float(np.percentile(gaps, 50)), float(np.percentile(gaps, 99)), server_ttft, errors,
+                 server_delta(health0, health(url), tokens - len(results)))  # fmt: skip
+
+
+def health(url: str) -> dict:
+    r = httpx.get(url + "/health", timeout=30)
+    return r.json() if r.status_code == 200 else {}
+
+
+def server_delta(before: dict, after: dict, decoded_rows: int) -> dict | None:
+    """What the server spent over a level, from two /health reads (None without continuous batching's fields)."""
+    keys = ("steps", "batches", "cache_step_s", "cache_prefill_s", "cache_join_copy_s", "cache_relayout_s")
+    if not all(k in before and k in after for k in keys):
+        return None
+    out = {k: round(after[k] - before[k], 3) for k in keys}
+    out["rows_per_step"] = round(decoded_rows / max(1, out["steps"]), 1)  # tokens after each first: step tokens
+    return out
 
 
 def ttft_buckets(url: str) -> dict[float, float]:
@@ -217,10 +237,13 @@ def rss_mb(pid: int | None) -> float | None:
 
 
 @contextmanager
-def local_server(model_dir: str, scheduler: str, threads: int | None, max_batch: int, max_queue: int):
+def local_server(model_dir: str, scheduler: str, threads: int | None, max_batch: int, max_queue: int,
+                 prefill_tokens: int | None = None):  # fmt: skip
     """`gpt2edge serve` on 127.0.0.1, a free port; yields (URL, pid) once /health says ok."""
     cmd = [sys.executable, "-m", "gpt2edge.cli", "serve", model_dir, "--port", "0", "--max-batch", str(max_batch),
            "--max-queue", str(max_queue), "--scheduler", scheduler]  # fmt: skip
+    if prefill_tokens:
+        cmd += ["--prefill-tokens", str(prefill_tokens)]
     if threads:
         cmd += ["--threads", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
@@ -272,6 +295,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="the server's ONNX Runtime threads")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--max-queue", type=int, default=256)
+    ap.add_argument("--prefill-tokens", type=int, default=None, help="the server's --prefill-tokens")
     ap.add_argument("--soak", type=float, default=None, help="seconds of soak instead of levels")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
@@ -308,7 +332,8 @@ def main() -> None:
                 if args.url:
                     results += asyncio.run(levels(args.url, name, rnd))
                     continue
-                with local_server(args.model_dir, name, args.threads, args.max_batch, args.max_queue) as (url, _):
+                with local_server(args.model_dir, name, args.threads, args.max_batch, args.max_queue,
+                                  args.prefill_tokens) as (url, _):  # fmt: skip
                     results += asyncio.run(levels(url, name, rnd))
     summary = summarize(results)
     if args.json:
@@ -331,7 +356,7 @@ def _row(lv: Level) -> str:
         f"{lv.tokens_per_s:>7.1f} {lv.latency_p50_ms:>8.0f} {lv.latency_p99_ms:>8.0f} {lv.ttft_p50_ms:>8.0f} "
         f"{lv.ttft_p99_ms:>8.0f} {lv.server_ttft_p50_ms:>8.0f} {lv.itl_p50_ms:>7.0f} {lv.itl_p99_ms:>7.0f} "
         f"{lv.errors:>3}"
-    )
+    ) + ("" if not lv.server else "  | " + " ".join(f"{k.removeprefix('cache_')} {v}" for k, v in lv.server.items()))
 
 
 if __name__ == "__main__":

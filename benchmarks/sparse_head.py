@@ -1,16 +1,19 @@
 """The certified sparse head against the full head of the same precision, in one interleaved run.
 
     python benchmarks/sparse_head.py [--model ../shared/trained-gpt2-py] [--work /tmp/sparse-bench]
-                                     [--rounds 5] [--tokens 128] [--threads 2] [--rank 16] [--random]
-                                     [--lock-once]
+                                     [--rounds 5] [--tokens 128] [--threads 2] [--rank 16] [--candidates 256]
+                                     [--workloads greedy,top-k 40,forced] [--breakdown] [--random] [--lock-once]
 
 Builds (once, under --work) the shared-cache fp32 export of --model, its int8 and int4 variants and the sparse
 head of each (`gpt2edge sparse-head`). Then, round by round (order alternating, each pair under
-`flock $BENCH_LOCK`), decodes the same prompts with the full and the sparse folder: greedy and top-k 40
-sampling (temperature 0.8, seeded). Prints per precision and workload: decode ms/token (median of the
-generate() medians) of each, the per-round ratio (median and range), whether every token matched, the
+`flock $BENCH_LOCK`), decodes each prompt with the full and the sparse folder, the order alternating per
+prompt and round: greedy and top-k 40 sampling (temperature 0.8, seeded). Prints per precision and workload:
+decode ms/token (median of the generate() medians) of each, the per-(round, prompt) ratio (median and
+range), whether every token matched, the
 fraction of steps certified and of head rows read. --random repeats the certification figures on a
-random-weight model of the same shape (flat distributions: nothing to certify).
+random-weight model of the same shape (flat distributions: nothing to certify). --breakdown first times a
+step's parts (full forward, the sparse body run with its fused certified step, the head graph, the sparse
+forward), teacher-forced over the greedy continuations.
 """
 
 from __future__ import annotations
@@ -40,26 +43,26 @@ def gpt2edge(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "gpt2edge.cli", *args], check=True, stdout=subprocess.DEVNULL)
 
 
-def build(model: str, work: Path, rank: int) -> dict[str, tuple[Path, Path]]:
+def build(model: str, work: Path, rank: int, candidates: int = 256) -> dict[str, tuple[Path, Path]]:
     """precision -> (full folder, sparse folder), built when missing."""
     fp32 = work / "fp32"
     if not fp32.exists():
         gpt2edge("export", "-m", model, str(fp32), "--kv-cache", "shared", "--no-validate")
     out = {}
     for p in ("fp32", "int8", "int4"):
-        full, sparse = work / p, work / f"{p}-sparse-r{rank}"
+        full, sparse = work / p, work / f"{p}-sparse-r{rank}-k{candidates}"
         if not full.exists():
             gpt2edge("quantize", str(fp32), "-o", str(full), "--mode", p, "--no-report")
         if not sparse.exists():
-            gpt2edge("sparse-head", str(full), "-o", str(sparse), "--rank", str(rank))
+            gpt2edge("sparse-head", str(full), "-o", str(sparse), "--rank", str(rank), "--candidates", str(candidates))
         out[p] = full, sparse
     return out
 
 
-def decode(gen, kw: dict, tokens: int) -> tuple[float, list[list[int]]]:
+def decode(gen, kw: dict, tokens: int, prompts: list[str] = PROMPTS) -> tuple[float, list[list[int]]]:
     """Median over the prompts of generate()'s decode median (ms/token), and the token ids."""
     times, ids = [], []
-    for p in PROMPTS:
+    for p in prompts:
         r = gen.generate(p, max_new_tokens=tokens, ignore_eos=True, **kw)
         times.append(r.timings["decode_ms_per_token_median"])
         ids.append(r.token_ids)
@@ -87,6 +90,42 @@ def forced(gen, ids: list[int], sparse: bool) -> tuple[float, list[int]]:
         times.append((time.perf_counter() - t0) * 1e3)
         best.append(int(row[0].argmax()))
     return st.median(times), best
+
+
+def breakdown(full, sparse, tokens: int) -> dict[str, float]:
+    """Per-step parts, teacher-forced over the prompts' greedy continuations (min and 25th percentile, ms):
+    the full folder's forward, the sparse folder's body run alone (blocks + the fused certified step), its
+    head graph alone (the fallback), and its whole configured forward (body + certificate check + rows)."""
+    import time
+
+    import numpy as np
+
+    from gpt2edge.runtime.decoding.sampling import SamplingParams
+
+    seqs = [full.tokenizer.encode(p) + full.generate(p, max_new_tokens=tokens, ignore_eos=True).token_ids
+            for p in PROMPTS]  # fmt: skip
+    parts: dict[str, list[float]] = {"full forward": [], "sparse body run": [], "head graph": [], "sparse forward": []}
+
+    def clock(key, fn, *a):
+        t0 = time.perf_counter()
+        out = fn(*a)
+        parts[key].append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    for ids in seqs:
+        mask = np.ones((1, len(ids)), dtype=np.int64)
+        a, b, c = full.graph.new_lm(), sparse.graph.new_lm(), sparse.graph.new_lm()
+        for lm in (a, b, c):
+            lm.start(1, len(ids))
+        c.configure_head(SamplingParams())
+        for i, t in enumerate(ids):
+            step = (np.array([[t]]), mask[:, : i + 1], np.array([[i]]))
+            clock("full forward", a.forward, *step)
+            b.fused.arm(1)
+            h = clock("sparse body run", b.body.forward, *step)
+            clock("head graph", sparse.graph.full_head, h)
+            clock("sparse forward", c.forward, *step)
+    return {f"{k} {q}": float(np.percentile(v, p)) for k, v in parts.items() for q, p in (("min", 0), ("p25", 25))}
 
 
 _HELD = []  # the lock file while --lock-once holds it for the whole timed part
@@ -131,6 +170,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--candidates", type=int, default=256, help="exact rows per step in the body graph")
+    ap.add_argument("--breakdown", action="store_true", help="also time a step's parts (min and p25 of each)")
+    ap.add_argument("--workloads", default="greedy,top-k 40,forced", help="which of greedy, top-k 40, forced")
     ap.add_argument("--precisions", default="int8,int4")
     ap.add_argument("--random", action="store_true", help="also the random-weight model's certification figures")
     ap.add_argument("--json", action="store_true")
@@ -141,7 +183,7 @@ def main() -> None:
     from gpt2edge.runtime.generator import Generator
 
     args.work.mkdir(parents=True, exist_ok=True)
-    folders = build(args.model, args.work, args.rank)
+    folders = build(args.model, args.work, args.rank, args.candidates)
     precisions = args.precisions.split(",")
     if args.lock_once:  # one wait in the queue instead of one per pair (a shared host's lock can be held for minutes)
         _HELD.append(open(LOCK, "a"))
@@ -149,20 +191,26 @@ def main() -> None:
     gens = {p: (Generator(folders[p][0], threads=args.threads), Generator(folders[p][1], threads=args.threads))
             for p in precisions}  # fmt: skip
     results = {}
+    wanted = args.workloads.split(",")
     for p, (full, sparse) in gens.items():
+        if args.breakdown:
+            results[f"{p} breakdown"] = locked(lambda f=full, s=sparse: breakdown(f, s, args.tokens))
         for name, kw in WORKLOADS.items():
+            if name not in wanted:
+                continue
             decode(full, kw, 8), decode(sparse, kw, 8)  # warm-up
             sparse.graph.reset_stats()
             rows = {"full": [], "sparse": [], "ratio": [], "identical": True}
             for r in range(args.rounds):
-                order = [("full", full), ("sparse", sparse)][:: 1 if r % 2 == 0 else -1]
-                got = {}
-                for label, gen in order:
-                    got[label] = locked(lambda g=gen, kw=kw: decode(g, kw, args.tokens))
-                rows["full"].append(got["full"][0])
-                rows["sparse"].append(got["sparse"][0])
-                rows["ratio"].append(got["full"][0] / got["sparse"][0])
-                rows["identical"] &= got["full"][1] == got["sparse"][1]
+                for i, prompt in enumerate(PROMPTS):  # A B / B A per prompt: a shared host's load drifts in seconds
+                    order = [("full", full), ("sparse", sparse)][:: 1 if (r + i) % 2 == 0 else -1]
+                    got = {}
+                    for label, gen in order:
+                        got[label] = locked(lambda g=gen, kw=kw, p=prompt: decode(g, kw, args.tokens, [p]))
+                    rows["full"].append(got["full"][0])
+                    rows["sparse"].append(got["sparse"][0])
+                    rows["ratio"].append(got["full"][0] / got["sparse"][0])
+                    rows["identical"] &= got["full"][1] == got["sparse"][1]
             stats = sparse.graph.stats.to_json(sparse.graph.vocab_size)
             results[f"{p} {name}"] = dict(
                 full_ms=st.median(rows["full"]),
@@ -173,6 +221,8 @@ def main() -> None:
                 certified_fraction=stats["certified_fraction"],
                 rows_read_fraction=stats["rows_read_fraction"],
             )
+        if "forced" not in wanted:
+            continue
         # real text, not the model's own (peaked, repetitive) greedy output: this repo's source, held out
         text = (Path(__file__).resolve().parents[1] / "gpt2edge" / "runtime" / "decoding" / "sampling.py").read_text()
         ids = full.tokenizer.encode(text)[: full.graph.n_positions - 1]
@@ -197,7 +247,7 @@ def main() -> None:
             rows_read_fraction=stats["rows_read_fraction"],
         )
     if args.random:
-        rnd = build(random_model(args.model, args.work), args.work / "random", args.rank)
+        rnd = build(random_model(args.model, args.work), args.work / "random", args.rank, args.candidates)
         gen = Generator(rnd["int8"][1], threads=args.threads)
         full = Generator(rnd["int8"][0], threads=args.threads)
         gen.graph.reset_stats()
@@ -207,14 +257,18 @@ def main() -> None:
             identical=same, certified_fraction=s["certified_fraction"], rows_read_fraction=s["rows_read_fraction"]
         )
     if args.json:
-        print(json.dumps(dict(cpu=cpu_name(), threads=args.threads, rank=args.rank, results=results), indent=2))
+        print(json.dumps(dict(cpu=cpu_name(), threads=args.threads, rank=args.rank, candidates=args.candidates,
+                              results=results), indent=2))
         return
-    print(f"{cpu_name()}, {args.threads} threads, rank {args.rank}, {args.rounds} interleaved rounds, "
+    print(f"{cpu_name()}, {args.threads} threads, rank {args.rank}, {args.candidates} candidates, "
+          f"{args.rounds} interleaved rounds, "
           f"{len(PROMPTS)} prompts x {args.tokens} tokens")  # fmt: skip
     print(f"{'folder / workload':28} {'full ms/tok':>11} {'sparse':>8} {'speed-up (range)':>20} {'same ids':>8} "
           f"{'certified':>9} {'rows read':>9}")  # fmt: skip
     for k, v in results.items():
-        if "full_ms" in v:
+        if k.endswith("breakdown"):
+            print(f"{k}: " + ", ".join(f"{n} {x:.3f}" for n, x in v.items()) + " (ms a step)")
+        elif "full_ms" in v:
             rng = f"{v['ratio_median']:.2f}x ({v['ratio_range'][0]:.2f}-{v['ratio_range'][1]:.2f})"
             print(f"{k:28} {v['full_ms']:11.3f} {v['sparse_ms']:8.3f} {rng:>20} {str(v['identical']):>8} "
                   f"{v['certified_fraction']:9.1%} {v['rows_read_fraction']:9.2%}")  # fmt: skip

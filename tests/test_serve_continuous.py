@@ -5,6 +5,7 @@ whoever else is served. A --static folder is served within its batch and capacit
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -15,12 +16,20 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)"
 from test_serve import PROMPTS, alone, joined, post, stream_one  # noqa: E402
 
 from gpt2edge.errors import ServeError  # noqa: E402
+from gpt2edge.memory import SHARE  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
+from gpt2edge.runtime.model.memory_plan import generation_estimate  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.api.app import create_app  # noqa: E402
 from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
-from gpt2edge.serve.scheduling.continuous import ContinuousScheduler, make_scheduler  # noqa: E402
+from gpt2edge.serve.scheduling.continuous import (  # noqa: E402
+    ContinuousScheduler,
+    _plain_greedy,
+    load_scheduler,
+    make_scheduler,
+)
 from gpt2edge.serve.scheduling.jobs import Job, Piece, Sampling  # noqa: E402
+from gpt2edge.serve.scheduling.rows import MEMORY, STATIC, serving_rows  # noqa: E402
 from gpt2edge.serve.scheduling.scheduler import Scheduler  # noqa: E402
 
 SAMPLED = dict(temperature=1.5, top_p=0.9)
@@ -121,6 +130,63 @@ def test_a_client_that_leaves_frees_its_row_for_a_waiting_request(tiny_export):
     assert stats["dropped_rows"] == 1 and len(long) < 100
 
 
+def test_rows_just_freed_wait_briefly_for_their_clients_to_return(tiny_export):
+    """A closed-loop client resends just after its stream ends: admission waits for it (bounded by a share of
+    the last cycle), so it joins this step's group instead of leaving its row empty for a whole cycle."""
+    gen = Generator(tiny_export)
+    scheduler = ContinuousScheduler(gen, ServeConfig(model_name="tiny", max_batch=4))  # thread not started
+    first, late = job(gen, "A", 2, []), job(gen, "B", 2, [])
+    scheduler.submit(first)
+    scheduler._freed, scheduler._cycle_s = 2, 20.0  # two rows just freed; a long cycle: a 1 s window
+    threading.Timer(0.05, scheduler.submit, [late]).start()
+    assert scheduler._admit() == [first, late]  # without the window: [first], and `late` a cycle later
+    alone_job = job(gen, "C", 2, [])
+    scheduler.submit(alone_job)
+    scheduler._freed, scheduler._cycle_s = 3, 0.2  # nobody comes back: the wait ends after 5 % of 0.2 s
+    t0 = time.monotonic()
+    assert scheduler._admit() == [alone_job] and time.monotonic() - t0 < 5
+    assert scheduler._freed == 0  # one window per release
+
+
+def test_the_cache_rows_are_reserved_at_start(tiny_export):
+    gen = Generator(tiny_export)
+    scheduler = ContinuousScheduler(gen, ServeConfig(model_name="tiny", max_batch=3))
+    slots = scheduler.slots
+    assert slots.allocations == 1 and slots.capacity == min(128, slots.n_positions) and slots.live == 0
+    assert slots.nbytes(slots.capacity) == slots._storage.nbytes  # every row, not only the first request's
+
+
+def test_plain_greedy_rows_skip_the_processors_only_when_none_applies(tiny_export):
+    gen = Generator(tiny_export)
+    plain = gen.sampling_params(max_new_tokens=8, do_sample=False, folder_defaults=False)
+    assert _plain_greedy(plain, 0)
+    held = gen.sampling_params(max_new_tokens=8, do_sample=False, folder_defaults=False, min_new_tokens=3)
+    assert not _plain_greedy(held, 2) and _plain_greedy(held, 3)  # end-of-text banned until min_tokens
+    for kw in (dict(repetition_penalty=1.3), dict(do_sample=True, temperature=0.7)):
+        assert not _plain_greedy(gen.sampling_params(max_new_tokens=8, folder_defaults=False, **kw), 5)
+
+
+def test_the_server_s_onnx_runtime_threads_do_not_spin(tiny_export):
+    """Spinning intra-op threads take the cores the event loop needs between steps (benchmarks/README.md)."""
+    scheduler = load_scheduler(tiny_export, ServeConfig(model_name="tiny"), threads=1)
+    opts = scheduler.generator.graph.session.get_session_options()
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_default_rows_are_64_or_what_memory_holds(tiny_export, monkeypatch):
+    """Unset --max-batch: 64 rows, fewer when their KV cache over the whole context would not fit; a value that
+    would not fit is refused before the server takes a request, a static graph bounds it by its batch."""
+    gen = Generator(tiny_export)
+    per_row = generation_estimate(gen.folder, [[0]], int(gen.folder.n_positions)).total
+    assert serving_rows(gen, None) == (64, "")  # the tiny model's 64 rows fit anywhere
+    monkeypatch.setenv("GPT2EDGE_MAX_MEMORY", str(int(10.5 * per_row / SHARE)))
+    assert serving_rows(gen, None) == (10, MEMORY) and serving_rows(gen, 10) == (10, "")
+    with pytest.raises(ServeError, match="lower --max-batch to at most 10"):
+        serving_rows(gen, 11)
+    scheduler = ContinuousScheduler(gen, ServeConfig(model_name="t"))
+    assert scheduler.max_rows == scheduler.slots.rows == 10 and scheduler.limits().rows_why == MEMORY
+
+
 def test_the_old_scheduler_stays_selectable(tiny_export):
     gen = Generator(tiny_export)
     assert type(make_scheduler(gen, ServeConfig(model_name="t"))) is ContinuousScheduler
@@ -149,6 +215,7 @@ def test_a_static_folder_is_served_within_its_batch_and_capacity(static_export):
     config = ServeConfig(model_name="tiny", max_batch=16)
     scheduler = make_scheduler(gen, config)
     assert type(scheduler) is Scheduler and scheduler.max_rows == 2 and scheduler.n_positions == 64
+    assert serving_rows(gen, None) == (2, STATIC) and serving_rows(gen, 1) == (1, "")
 
     async def clients(url):
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:

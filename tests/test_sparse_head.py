@@ -55,7 +55,7 @@ def grid(tiny_checkpoint, tmp_path_factory) -> dict:
             parent = fp32 if p == "fp32" else root / f"{kv}-{p}"
             if p != "fp32":
                 quantize_model(fp32, parent, make_recipe(p), report=False)
-            sparse_head(parent, root / f"{kv}-{p}-sparse", rank=4)
+            sparse_head(parent, root / f"{kv}-{p}-sparse", rank=4, candidates_k=32)
             out[kv, p] = parent, root / f"{kv}-{p}-sparse"
     return out
 
@@ -70,13 +70,14 @@ def test_greedy_ids_identical(gens, key):
     full, sparse = gens[key]
     assert sparse.graph.certify
     sparse.graph.reset_stats()
-    a = full.generate(PROMPTS, max_new_tokens=40, ignore_eos=True)
-    b = sparse.generate(PROMPTS, max_new_tokens=40, ignore_eos=True)
+    n = 120  # long generations: up to the tiny model's 128 positions
+    a = full.generate(PROMPTS, max_new_tokens=n, ignore_eos=True)
+    b = sparse.generate(PROMPTS, max_new_tokens=n, ignore_eos=True)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     st = sparse.graph.stats
-    assert st.full == 0 and st.steps == 2 * 40
-    assert st.certified >= 0.8 * st.steps  # the sparse path did the work
-    assert st.rows_read < st.certified * sparse.graph.vocab_size  # and read fewer rows than the full head
+    assert st.full == 0 and st.steps == 2 * n
+    assert sparse.graph.fused_k and st.certified >= 0.8 * st.steps  # the body graph's certified step did the work
+    assert st.rows_read == st.certified * sparse.graph.fused_k < st.certified * sparse.graph.vocab_size
 
 
 @pytest.mark.parametrize("key", KINDS, ids=["-".join(k) for k in KINDS])
@@ -123,19 +124,67 @@ def test_full_head_calls_are_the_parents(gens):
     assert st.certified == 0 and st.full == st.steps > 0
 
 
-def test_uncertified_steps_fall_back_and_are_counted(gens):
-    """A step whose candidates exceed the cap runs the full head: still the parent's tokens, counted."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "numpy"])
+def test_uncertified_steps_fall_back_and_are_counted(gens, monkeypatch, fused):
+    """A step the bounds cannot certify runs the full head: still the parent's tokens, counted. Fused: no
+    candidate clears a huge margin; NumPy path: no step may read a row."""
+    import gpt2edge.runtime.sparse_head.fused as fused_mod
+
     full, sparse = gens["concat", "int4"]
-    cap = sparse.graph.max_rows
-    sparse.graph.max_rows = 0  # no step may read a row: every step falls back
-    try:
-        sparse.graph.reset_stats()
-        a = full.generate(PROMPTS[1], max_new_tokens=10, ignore_eos=True)
-        b = sparse.generate(PROMPTS[1], max_new_tokens=10, ignore_eos=True)
-    finally:
-        sparse.graph.max_rows = cap
+    monkeypatch.setattr(sparse.graph, "max_rows", 0)
+    if fused:
+        monkeypatch.setattr(fused_mod, "TIE", 1e9)
+    else:
+        monkeypatch.setattr(sparse.graph, "fused_k", None)
+    sparse.graph.reset_stats()
+    a = full.generate(PROMPTS[1], max_new_tokens=10, ignore_eos=True)
+    b = sparse.generate(PROMPTS[1], max_new_tokens=10, ignore_eos=True)
     assert a.token_ids == b.token_ids
     assert sparse.graph.stats.fallbacks == 10 and sparse.graph.stats.certified == 0
+
+
+@pytest.mark.parametrize("key", [("shared", "int8"), ("concat", "fp32")], ids=["shared-int8", "concat-fp32"])
+def test_numpy_path_identical(gens, monkeypatch, key):
+    """The NumPy path (folders from before the fused step, top-k at or above K, runs without IO binding) still
+    gives the full head's tokens, greedy and top-k."""
+    full, sparse = gens[key]
+    monkeypatch.setattr(sparse.graph, "fused_k", None)
+    sparse.graph.reset_stats()
+    kw = dict(max_new_tokens=20, ignore_eos=True)
+    assert [r.token_ids for r in full.generate(PROMPTS, **kw)] == [r.token_ids for r in sparse.generate(PROMPTS, **kw)]
+    kw.update(do_sample=True, top_k=5, temperature=0.7, seed=3)
+    assert full.generate(PROMPTS[1], **kw).token_ids == sparse.generate(PROMPTS[1], **kw).token_ids
+    st = sparse.graph.stats
+    assert st.certified >= 0.5 * st.steps and st.rows_read < st.certified * sparse.graph.vocab_size
+
+
+def test_fused_step_matches_numpy(gens):
+    """The body graph's certified step on real hidden states: its candidates are the rows of best upper bound,
+    their logits are exact.py's (float32 sums: within 2e-5 here, FUSED_TOL = 1.25e-4 allowed), and its bar is
+    above every other row's exact logit."""
+    from gpt2edge.runtime.sparse_head.exact import HeadKernel
+
+    for key in (("shared", "int8"), ("concat", "int4"), ("shared", "fp32")):
+        sparse = gens[key][1]
+        g = sparse.graph
+        lm = g.new_lm()
+        lm.configure_head(SamplingParams())
+        ids = np.array([sparse.tokenizer.encode(PROMPTS[0])])
+        lm.start(1, ids.shape[1] + 4)
+        kernel = HeadKernel(g.table, g.rec.kind, g.folder.dims.n_embd)
+        pos = ids.shape[1]
+        lm.fused.arm(1)
+        h = lm.body.forward(ids, np.ones_like(ids), np.arange(pos)[None])
+        for step in range(4):
+            kernel.prepare(h[0])
+            exact = kernel.full()
+            f = lm.fused
+            np.testing.assert_allclose(f.logits[0], exact[f.ids[0]], rtol=1e-6, atol=2e-5)
+            assert np.delete(exact, f.ids[0]).max() <= f.bar[0, 0]
+            assert ((0 <= f.ids[0]) & (f.ids[0] < g.vocab_size)).all() and f.ids.shape == (1, f.K)
+            nxt = np.array([[int(exact.argmax())]])
+            lm.fused.arm(1)
+            h = lm.body.forward(nxt, np.ones((1, pos + step + 1), dtype=np.int64), np.array([[pos + step]]))
 
 
 def test_stream_and_session_identical(gens):
@@ -156,3 +205,69 @@ def test_speculative_and_direct_graph_refused(grid):
         Generator(sp, prompt_lookup=2)
     with pytest.raises(ModelFolderError, match="sparse head"):
         OrtGraph(ModelFolder.open(sp))
+
+
+@pytest.mark.parametrize("key", [("shared", "int8"), ("concat", "fp32")], ids=["int8", "fp32"])
+def test_fused_group_bounds_hold(grid, gens, key):
+    """The fused step with small groups (so that most groups are left out, unlike the tiny model's folders):
+    on random activations of several scales its bar is above every row it did not return, its candidates'
+    logits are exact.py's; and when it certifies, the best candidate is the full head's argmax."""
+    import onnx
+
+    from gpt2edge.runtime.model.ort_session import create_session
+    from gpt2edge.runtime.sparse_head.exact import TIE, HeadKernel
+    from gpt2edge.sparse.bounds import bound_table
+    from gpt2edge.sparse.fused import group_rows, slack_scale, standalone
+    from gpt2edge.sparse.graph import split_head
+
+    parent, _ = grid[key]
+    g = gens[key][1].graph
+    V, C = g.folder.dims.vocab_size, g.folder.dims.n_embd
+    _, _, table = split_head(onnx.load(str(parent / "model.onnx")), V, C)
+    bounds = bound_table(table.dequantized(), 4)
+    groups = group_rows(bounds, bounds, size=8, clusters=16)
+    model = standalone(table, bounds, groups, slack_scale(bounds), 16, 4)
+    path = parent.parent / f"fused-{'-'.join(key)}.onnx"
+    onnx.save(model, str(path))
+    sess = create_session(path, threads=1)
+    kernel = HeadKernel(g.table, g.rec.kind, C)
+    rng = np.random.default_rng(5)
+    certified = 0
+    for scale in (0.5, 2.0, 8.0, 32.0):
+        for _ in range(5):
+            h = (rng.standard_normal((1, C)) * scale).astype(np.float32)
+            ids, logits, bar = sess.run(None, {"hidden": h})
+            kernel.prepare(h[0])
+            exact = kernel.full()
+            np.testing.assert_allclose(logits[0], exact[ids[0]], rtol=1e-6, atol=2e-5)
+            assert np.delete(exact, ids[0]).max() <= bar[0, 0]
+            best = logits[0].max()
+            if best - TIE > max(bar[0, 0], np.sort(logits[0])[-2]):
+                certified += 1
+                assert ids[0][logits[0].argmax()] == g.full_head(h)[0].argmax()
+    assert certified > 0
+
+
+def test_fused_certificate_rules():
+    """The runtime's check of the graph's outputs: the margin over the runner-up and over the bar, NaN (outputs
+    not written) never certified, and a candidate repeated (a short group's padding) never counted twice."""
+    from types import SimpleNamespace
+
+    from gpt2edge.runtime.sparse_head.fused import FusedReader
+
+    r = FusedReader(SimpleNamespace(binding=None), 4, 10)
+    assert not r.arm(1)  # no IO binding: the outputs are not fetched
+
+    def check(ids, logits, bar, k):
+        r.ids, r.logits, r.bar = np.array([ids]), np.array([logits], dtype=float), np.array([[bar]], dtype=float)
+        return r.certified(0, k)
+
+    assert check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 3.0, 1)
+    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 4.9995, 1)  # within TIE of the bar
+    assert not check([3, 4, 5, 7], [5.0, 4.9995, 1.0, 0.5], 3.0, 1)  # within TIE of the runner-up
+    assert not check([3, 3, 5, 7], [5.0, 5.0, 1.0, 0.5], 0.0, 1)  # the best twice: not above its runner-up
+    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], float("nan"), 1)
+    assert check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 0.0, 2)
+    assert not check([3, 3, 5, 7], [5.0, 5.0, 1.0, 0.5], 0.0, 2)  # the two best are one row
+    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 3.9995, 2)
+    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 0.0, 4)  # k must leave a runner-up among the K

@@ -33,9 +33,9 @@ def _host(ctx, param, value: str) -> str:
 @click.option(
     "--max-batch",
     type=click.IntRange(min=1),
-    default=16,
-    show_default=True,
-    help="Rows (prompts x n) decoded together.",
+    default=None,
+    help="Rows (prompts x n) decoded together [default: 64, fewer if their KV cache over the whole context would "
+    "not fit in memory; a value that would not fit is refused].",
 )
 @click.option(
     "--max-queue", type=click.IntRange(min=1), default=128, show_default=True, help="Requests waiting; more get 429."

@@ -31,6 +31,13 @@ from gpt2edge.sparse.modes import SPARSE_MODES
     "step but fewer exact rows.",
 )
 @click.option(
+    "--candidates",
+    type=click.IntRange(min=1),  # the upper bound is checked with the folder
+    default=None,
+    help="exact: head rows computed per step inside the body graph (1 .. 4096) [default: 256]: more certifies "
+    "more steps, each a bit slower.",
+)
+@click.option(
     "--clusters",
     type=click.IntRange(2, 4096),  # at most V / 2 as well: checked with the folder
     default=None,
@@ -60,7 +67,7 @@ from gpt2edge.sparse.modes import SPARSE_MODES
 @click.option("--json", "as_json", is_flag=True, help="Print the new manifest as JSON.")
 @friendly_errors
 def sparse_head(
-    model_dir, out, mode, rank, clusters, probe, text_file, report_tokens, no_report, force, as_json
+    model_dir, out, mode, rank, candidates, clusters, probe, text_file, report_tokens, no_report, force, as_json
 ) -> None:
     """Write a variant of MODEL_DIR whose LM head reads only part of the vocabulary table per step: exact tokens
     (default), or an approximate head with --mode cluster."""
@@ -73,12 +80,16 @@ def sparse_head(
         given = [name for name, value in cluster_only.items() if value is not None]
         if given:
             raise SparseHeadError(f"{', '.join(given)} only apply to --mode cluster (the exact mode has no report).")
+        from gpt2edge.sparse.handler import DEFAULT_CANDIDATES
         from gpt2edge.sparse.handler import sparse_head as run
 
-        manifest = run(model_dir, out, rank=16 if rank is None else rank, force=force)
+        manifest = run(model_dir, out, rank=16 if rank is None else rank,
+                       candidates_k=DEFAULT_CANDIDATES if candidates is None else candidates, force=force)  # fmt: skip
     else:
-        if rank is not None:
-            raise SparseHeadError("--rank applies to --mode exact; --mode cluster takes --clusters and --probe.")
+        if rank is not None or candidates is not None:
+            raise SparseHeadError(
+                "--rank and --candidates apply to --mode exact; --mode cluster takes --clusters and --probe."
+            )
         from gpt2edge.report_text import choose_report_text
         from gpt2edge.sparse.approx_handler import DEFAULT_REPORT_TOKENS, cluster_sparse_head
 
@@ -102,7 +113,9 @@ def sparse_head(
             "estimated; not the model's own distribution (see the quality report)"
         )
         return
+    f = s["fused"]
     click.echo(
-        f"wrote {out}: sparse head ({s['kind']}, rank {s['rank']}): a {s['bound_table_bytes'] / 1e6:.1f} MB bound "
-        f"table scores every token, then exact rows of the {s['head_table_bytes'] / 1e6:.1f} MB head table"
+        f"wrote {out}: sparse head ({s['kind']}, rank {s['rank']}): each step bounds {f['n_groups']} groups of "
+        f"{f['group_size']} tokens, then the tokens of the best {f['groups']}, then reads at most {f['candidates']} "
+        f"rows of the {s['head_table_bytes'] / 1e6:.1f} MB head table"
     )

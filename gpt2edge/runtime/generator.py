@@ -64,6 +64,7 @@ class Generator:
         draft_tokens: int | None = None,
         max_contexts: int | None = None,
         context_wait_s: float | None = None,
+        spin: bool = True,
     ) -> None:
         """draft / prompt_lookup / draft_tokens: speculative decoding (gpt2edge.runtime.speculative.speculator): a draft
         model folder with the target's tokenizer, or the longest n-gram prompt lookup matches; draft_tokens
@@ -71,13 +72,14 @@ class Generator:
 
         max_contexts: at most this many concurrent generate()/stream() calls hold a KV cache at once (default:
         no cap); a call beyond it waits for one to end, at most context_wait_s seconds (None: as long as it
-        takes), then raises GenerationError. session() conversations hold their own context, outside the cap."""
+        takes), then raises GenerationError. session() conversations hold their own context, outside the cap.
+        spin=False: ONNX Runtime's idle threads sleep instead of spinning (a server's event loop needs the cores)."""
         check_max_contexts(max_contexts, context_wait_s)  # before the model loads
         model_dir = path_arg(model_dir, "model_dir")
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
         # a draft model alternates with this graph token by token: idle threads must not spin (session.py)
-        self.graph = load_graph(self.folder, device=device, threads=threads, spin=draft is None)
+        self.graph = load_graph(self.folder, device=device, threads=threads, spin=spin and draft is None)
         self._pool = LMPool(self.graph, io_binding=io_binding, max_contexts=max_contexts, wait_s=context_wait_s)
         self.lm = self._pool.primary  # the context sequential calls use
         self.speculator = None

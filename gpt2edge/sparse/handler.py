@@ -27,9 +27,11 @@ from gpt2edge.manifest.records import Manifest
 from gpt2edge.runtime.sparse_head.record import BOUND_FILE, HEAD_FILE, MAX_RANK, TABLE_FILE
 
 DEFAULT_RANK = 16
+DEFAULT_CANDIDATES = 256  # exact rows per step in the body graph (gpt2edge.sparse.fused)
+MAX_CANDIDATES = 4096
 
 
-def check_request(src: Path, out: Path, rank: int) -> Manifest:
+def check_request(src: Path, out: Path, rank: int, candidates_k: int = DEFAULT_CANDIDATES) -> Manifest:
     """Every refusal that needs no work: one line, before the graph is read."""
     info = load_manifest(src)
     check_sources(out, [src])
@@ -38,6 +40,8 @@ def check_request(src: Path, out: Path, rank: int) -> Manifest:
             f"--rank must be an integer from 1 to {min(MAX_RANK, info.dims.n_embd - 1)} (below n_embd "
             f"{info.dims.n_embd}), got {rank!r}."
         )
+    if isinstance(candidates_k, bool) or not isinstance(candidates_k, int) or not 1 <= candidates_k <= MAX_CANDIDATES:
+        raise SparseHeadError(f"--candidates must be an integer from 1 to {MAX_CANDIDATES}, got {candidates_k!r}.")
     if info.raw.get("sparse_head") is not None:
         raise SparseHeadError(f"{src} already has a sparse head; give its parent instead.")
     if info.vocab is not None:
@@ -60,25 +64,34 @@ def check_request(src: Path, out: Path, rank: int) -> Manifest:
 
 
 def sparse_head(
-    src: Path, out: Path, *, rank: int = DEFAULT_RANK, force: bool = False, log=sys.stderr
+    src: Path, out: Path, *, rank: int = DEFAULT_RANK, candidates_k: int = DEFAULT_CANDIDATES, force: bool = False,
+    log=sys.stderr,
 ) -> dict[str, Any]:
     """Write the sparse-head variant of export folder `src` to `out`; returns the new manifest."""
     import onnx
 
     from gpt2edge.quantize.graph import save_model, write_variant
     from gpt2edge.sparse.bounds import bound_table
+    from gpt2edge.sparse.fused import GROUP_RANK, add_fused, candidates, group_rows, groups_for, slack_scale
     from gpt2edge.sparse.graph import bound_model, split_head
 
     src, out = Path(src), Path(out)
-    info = check_request(src, out, rank)
+    info = check_request(src, out, rank, candidates_k)
     check_output_dir(out, force, sources=[src])
     verify_files(src, info)
     V, C = info.dims.vocab_size, info.dims.n_embd
     bar_opts = dict(desc="sparse-head", unit="step", file=log, leave=False, disable=None)  # a TTY only
-    with tqdm(total=3, **bar_opts) as bar:
+    with tqdm(total=4, **bar_opts) as bar:
         body, head, table = split_head(onnx.load(str(resolve_inside(src, info.graph.file))), V, C)
         bar.update()
         bounds = bound_table(table.dequantized(), rank)
+        bar.update()
+        # the certified step inside the body graph (fused.py): one session run per certified step
+        coarse = bounds if rank <= GROUP_RANK else bound_table(table.dequantized(), GROUP_RANK)
+        groups = group_rows(coarse, bounds)
+        k, m = candidates(candidates_k, groups_for(candidates_k), groups)
+        add_fused(body, table, bounds, groups, slack_scale(bounds), k, m)
+        fused = {"candidates": k, "groups": m, "group_size": groups.size, "n_groups": len(groups.members)}
         bar.update()
         with atomic_output_dir(out, force=force, sources=[src]) as tmp:
             files = write_variant(body, info, src, tmp)
@@ -95,12 +108,13 @@ def sparse_head(
             np.savez(buf, **arrays, allow_pickle=False)
             (tmp / TABLE_FILE).write_bytes(buf.getvalue())
             bar.update()
-            manifest = write_manifest(tmp, _manifest(info, src, files, tmp, table.kind, rank, arrays))
+            manifest = write_manifest(tmp, _manifest(info, src, files, tmp, table.kind, rank, arrays, fused))
     return manifest
 
 
 def _manifest(
-    info: Manifest, src: Path, files: list[str], tmp: Path, kind: str, rank: int, arrays: dict[str, np.ndarray]
+    info: Manifest, src: Path, files: list[str], tmp: Path, kind: str, rank: int, arrays: dict[str, np.ndarray],
+    fused: dict[str, int],
 ) -> dict[str, Any]:
     """The parent's manifest with the body graph's files and outputs, and the sparse_head record."""
     from gpt2edge.onnx_io.stats import decode_weight_bytes
@@ -126,6 +140,7 @@ def _manifest(
             "kind": kind,  # how the head's kernel computes a logit (record.py)
             "rank": rank,
             "bound_file": BOUND_FILE,
+            "fused": fused,  # the body graph's certified step (gpt2edge.sparse.fused)
             "bound_table_bytes": int((rank + 1) * V * 4),
             "head_table_bytes": int(V * C * (4 if "weight" in arrays else int(arrays["bits"]) / 8)),
             "parent": {

@@ -63,7 +63,7 @@ class OrtGraph:
         self.output_width = width if output == "logprobs" else folder.dims.n_embd  # "hidden": (B, n_embd)
         self.columns = None if self.kept_ids is None else Columns.of(self.kept_ids, self.vocab_size)
         self._full_vocab_steps = False  # private, parity tests: loops scatter to (B, V) first, as before K columns
-        self.present_names = [o.name for o in self.session.get_outputs()][1:]
+        self.present_names = [o.name for o in self.session.get_outputs()[1:] if o.name.startswith("present")]
         self.kv_dtype = folder.kv_dtype
 
     def _check_cache_inputs(self) -> None:
@@ -206,7 +206,7 @@ class OrtLM(CacheRows):
             if self.graph.keeps:
                 feed[KEEP_INPUT] = np.arange(S - n, S, dtype=np.int64)
             feed.update(zip(self.past_names, self.cache.tensors(self.past_len) if self.shared else self._presents))
-            out = self.session.run(None, feed, self.graph.run_options)
+            out = self.session.run([self.graph.output, *self.present_names], feed, self.graph.run_options)
             if self.shared:
                 self.cache.write(out[1:], self.past_len)
             else:
@@ -275,7 +275,7 @@ class OrtLM(CacheRows):
                 lp = b.get_outputs()[0].numpy()
             else:
                 past = dict(zip(self.past_names, cache))
-                lp, *presents = self.session.run(None, {**feed, **past}, self.graph.run_options)
+                lp, *presents = self.session.run(None, {**feed, **past}, self.graph.run_options)  # zip: presents only
                 for view, present in zip(cache, presents):
                     view[...] = present
             out[r] = lp[0] if lp.ndim == 2 else lp[0, -1]

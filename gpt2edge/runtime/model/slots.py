@@ -97,12 +97,12 @@ class SlotLM:
             dst_storage, dst, new_cap = self._alloc(capacity), 0, capacity
         else:  # concat: into the other ping-pong slot; shared: in place (numpy copies overlapping moves safely)
             dst_storage, dst, new_cap = src_storage, (src if self.shared else 1 - src), cap
-        for t in range(self.n_tensors):
-            old = self._view(src_storage, src, t, k, P, cap) if src_storage is not None else None
-            new = self._view(dst_storage, dst, t, k, new_len, new_cap)
-            for i in range(k):
-                n = int(self.lengths[i])
-                new[i, :, new_len - n :] = old[i, :, P - n : P]
+        # every row is right-aligned, so every row moves by the same P - new_len: one copy of the last m slots of
+        # all rows per tensor (shorter rows bring a few masked, finite slots along), not one copy per row
+        m = int(self.lengths[:k].max(initial=0)) if src_storage is not None else 0  # the longest row (<= P, new_len)
+        for t in range(self.n_tensors if m else 0):
+            old = self._view(src_storage, src, t, k, P, cap)
+            self._view(dst_storage, dst, t, k, new_len, new_cap)[:, :, new_len - m :] = old[:, :, P - m :]
         self._storage, self._src, self.capacity, self.past_len = dst_storage, dst, new_cap, new_len
         self.relayouts += 1
         self.seconds["relayout"] += time.perf_counter() - t0
@@ -115,6 +115,13 @@ class SlotLM:
             raise GenerationError(f"A row needs {needed} positions; the model has {self.n_positions}.")
         grown = min(self.n_positions, max(needed, 2 * self.capacity, MIN_POSITIONS))
         self._relayout(self.past_len, capacity=grown)
+
+    def reserve(self, positions: int) -> None:
+        """Allocate every row's first `positions` (up to n_positions) and touch their pages now: a server's
+        start-up pays the page faults, and the growth copy up to there, instead of its first requests."""
+        if self._storage is None:
+            self._make_room(min(positions, self.n_positions))
+            self._storage.fill(0)  # np.zeros maps lazily-zeroed pages; writing faults them in
 
     # ---- rows joining and leaving ---------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from gpt2edge.errors import ModelFolderError
 from gpt2edge.manifest import resolve_inside
 from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
 from gpt2edge.runtime.sparse_head.exact import TIE, HeadKernel
+from gpt2edge.runtime.sparse_head.fused import FUSED_TOL, IDS, FusedReader
 from gpt2edge.runtime.sparse_head.policy import sparse_k
 from gpt2edge.runtime.sparse_head.record import FIX, SparseHeadInfo, load_table
 
@@ -83,7 +84,8 @@ class SparseGraph:
                 f"{folder.dims.n_embd}) hidden state its sparse_head record describes; {FIX}."
             )
         self.head_path = resolve_inside(folder.path, rec.head_file)
-        self.head = create_session(self.head_path, device=device, threads=threads, spin=spin)
+        # one thread, on the caller's: a second pool spinning beside the body's would take its cores (2x slower)
+        self.head = create_session(self.head_path, device=device, threads=1 if device == "cpu" else threads)
         self.bound_path = resolve_inside(folder.path, rec.bound_file)
         self.bound = create_session(self.bound_path, device=device, threads=1)
         self.run_options = quiet_run_options()
@@ -93,6 +95,11 @@ class SparseGraph:
         self.stats = SparseStats()
         self._lock = threading.Lock()
         self.certify = self._self_check()
+        # K when the body graph computes the certified step itself (fused.py), after its own check
+        outputs = {o.name for o in body.session.get_outputs()}
+        self.fused_k = rec.candidates if rec.candidates and IDS in outputs and self.certify else None
+        if self.fused_k and not self._check_fused():
+            self.fused_k = None
 
     def __getattr__(self, name: str):
         # the OrtGraph surface (dims, names, kv cache kind) is the body's
@@ -152,6 +159,29 @@ class SparseGraph:
             )
         return agree
 
+    def _check_fused(self) -> bool:
+        """One body run on a short prompt: the graph's bar must be above every other row's logit (else a graph
+        built for another table: refused), and its candidates' logits within FUSED_TOL of exact.py's (else
+        warned: every step runs the NumPy path)."""
+        lm = SparseLM(self)
+        ids = (np.arange(3, dtype=np.int64) * 7919 % self.folder.dims.vocab_size)[None]
+        lm.start(1, 3)
+        lm.fused.arm(1)
+        h = lm.body.forward(ids, np.ones_like(ids), np.arange(3)[None])
+        kernel = HeadKernel(self.table, self.rec.kind, self.folder.dims.n_embd)
+        kernel.prepare(h[0])
+        f, exact = lm.fused, kernel.full()
+        if np.delete(exact, f.ids[0]).max() > f.bar[0, 0]:
+            raise ModelFolderError(
+                f"{self.folder.path}: the body graph's sparse step does not bound the head's logits (built for "
+                f"another model, or edited); {FIX}."
+            )
+        err = float(np.abs(exact[f.ids[0]] - f.logits[0]).max())
+        if err > FUSED_TOL:
+            warnings.warn(f"{self.folder.path}: the body graph's sparse logits are off the head's arithmetic by "
+                          f"{err:.2g} (> {FUSED_TOL}); the sparse step runs in NumPy.", stacklevel=3)  # fmt: skip
+        return err <= FUSED_TOL
+
     def first_pass(self, kernel: HeadKernel, he: np.ndarray) -> tuple[np.ndarray, float, float]:
         """(ub, residual norm, slack): every row's upper bound for the activation he (C,), the norm that scales
         eps, and the allowance for float rounding."""
@@ -179,6 +209,7 @@ class SparseLM:
         self.graph = graph
         self.body = graph.body.new_lm(io_binding)
         self.kernel = HeadKernel(graph.table, graph.rec.kind, graph.folder.dims.n_embd)
+        self.fused = FusedReader(self.body, graph.fused_k, graph.vocab_size) if graph.fused_k else None
         self.k: int | None = None
         self.kept_ids = None
         self.columns = None
@@ -206,10 +237,28 @@ class SparseLM:
         self.k = sparse_k(params, logprobs) if self.graph.certify else None
 
     def forward(self, input_ids, attention_mask, position_ids, keep: int | None = None) -> np.ndarray:
+        # the sparse outputs stay bound at the batch size of every run (beam search grows it), used or not
+        armed = self.fused is not None and self.fused.arm(len(input_ids))
+        fused = armed and self.k is not None and self.k < self.fused.K and bool(self.graph.fused_k)
         h = self.body.forward(input_ids, attention_mask, position_ids, keep)
         if keep is not None:  # a last-position graph: keep is 1 (OrtLM refuses more)
-            return self._head(h[:, -1])[:, None]
-        return self._head(h)
+            h = h[:, -1]
+        rows = self._head_fused(h) if fused else self._head(h)
+        return rows if keep is None else rows[:, None]
+
+    def _head_fused(self, h: np.ndarray) -> np.ndarray:
+        """(B, C) hidden -> (B, V) rows from the body graph's certified step; a row it cannot certify runs the
+        full head (its log-probs)."""
+        f, g = self.fused, self.graph
+        certified = 0
+        for b in range(len(h)):
+            if f.certified(b, self.k):
+                f.row(b)
+                certified += 1
+            else:
+                f.full_row(b, g.full_head(h[b : b + 1])[0])
+        g.count(steps=len(h), certified=certified, fallbacks=len(h) - certified, rows_read=certified * f.K)
+        return f.rows
 
     def forward_kept(self, input_ids, attention_mask, position_ids) -> np.ndarray:
         return self.forward(input_ids, attention_mask, position_ids)

@@ -27,6 +27,7 @@ class SparseHeadInfo:
     table_file: str
     kind: str
     rank: int
+    candidates: int | None = None  # K: the body graph computes the certified step (fused.py); None: older folders
 
     @classmethod
     def of(cls, info: Manifest, where: str) -> SparseHeadInfo | None:
@@ -45,7 +46,11 @@ class SparseHeadInfo:
         for f in (head, bound, table):
             if f not in info.files:
                 raise ModelFolderError(f"{where}: {f} is loaded but not listed in 'files'; {FIX}.")
-        return cls(head, bound, table, kind, rank)
+        fused = rec.get("fused")
+        k = fused.get("candidates") if isinstance(fused, dict) else None
+        if fused is not None and (type(k) is not int or not 1 <= k < info.dims.vocab_size):
+            raise ModelFolderError(f"{where}: sparse_head.fused {fused!r} is not valid; {FIX}.")
+        return cls(head, bound, table, kind, rank, k)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ from gpt2edge.errors import ServeError
 MAX_STOP = 4  # OpenAI's limit on stop sequences per request
 MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` (the top alternatives reported per token)
 SCHEDULERS = ("continuous", "next-batch")
+# rows decoded together unless --max-batch says otherwise (fewer when memory would not hold their KV cache):
+# room for 64 closed-loop clients without a queue; tuning against the CPU's compute-bound point: docs/serve.md
+DEFAULT_MAX_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class ServeConfig:
     """
 
     model_name: str
-    max_batch: int = 16
+    max_batch: int | None = None  # None: 64 rows, fewer when memory would not hold them (scheduling/rows.py)
     max_queue: int = 128
     max_n: int = 8
     max_body_bytes: int = 1 << 20
@@ -50,7 +53,7 @@ class ServeConfig:
         # each bound named with the flag that sets it, before any model is loaded
         if not self.model_name:
             raise ServeError("The model name must not be empty; pass --model-name NAME.")
-        if self.max_batch < 1:
+        if self.max_batch is not None and self.max_batch < 1:
             raise ServeError(f"--max-batch must be >= 1, got {self.max_batch}.")
         if self.max_queue < 1:  # every request passes through the queue, however briefly
             raise ServeError(f"--max-queue must be >= 1, got {self.max_queue}.")

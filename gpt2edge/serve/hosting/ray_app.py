@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt2edge.errors import ServeError
-from gpt2edge.serve.hosting.config import ServeConfig
+from gpt2edge.serve.hosting.config import DEFAULT_MAX_BATCH, ServeConfig
 
 APP_NAME = "gpt2edge"
 DEPLOYMENT_NAME = "gpt2edge"
@@ -52,7 +52,7 @@ def build_application(
         "name": DEPLOYMENT_NAME,
         "ray_actor_options": {"num_cpus": replica_cpus},
         # Serve's default (5) would starve the batcher: admit what one scheduler can batch and queue
-        "max_ongoing_requests": config.max_batch + config.max_queue,
+        "max_ongoing_requests": (config.max_batch or DEFAULT_MAX_BATCH) + config.max_queue,
     }
     if autoscaling_config is not None:
         options["autoscaling_config"] = autoscaling_config

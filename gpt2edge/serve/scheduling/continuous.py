@@ -18,6 +18,7 @@ else is being served. Greedy rows get the tokens they get alone (the cache rows:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from gpt2edge.errors import Gpt2EdgeError
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
-from gpt2edge.runtime.decoding.sampling import SamplingParams, next_tokens
+from gpt2edge.runtime.decoding.sampling import SamplingParams, greedy_tokens, next_tokens
 from gpt2edge.runtime.model.lm import OrtGraph
 from gpt2edge.runtime.model.slots import SlotLM
 from gpt2edge.serve.hosting.config import ServeConfig
@@ -35,7 +36,8 @@ from gpt2edge.serve.scheduling.penalties import RowPenalties
 from gpt2edge.serve.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("gpt2edge.serve")
-
+RESERVED_POSITIONS = 128  # per cache row, allocated and touched at start (more grow on demand)
+RETURN_SHARE = 0.05  # rows just freed: admission waits up to this share of a cycle for their clients to return
 
 
 @dataclass(eq=False)
@@ -63,15 +65,22 @@ class ContinuousScheduler(Scheduler):
     def __init__(self, generator, config: ServeConfig) -> None:
         super().__init__(generator, config)
         self.slots = SlotLM(generator.graph, self.max_rows)
+        # the cache's first positions reserved and touched while /health still says "loading" (llama-server and
+        # vLLM reserve theirs at start too): fresh rows' page faults cost up to ~7 % of a cold server's first
+        # minute at 64 clients (benchmarks/README.md)
+        self.slots.reserve(RESERVED_POSITIONS)
         self._cache_rows: list[tuple[_Live, int]] = []  # per cache row: (its job's state, the row's index in the job)
         self._pending: list[int] = []  # per cache row: the token it feeds at the next step
         self._live: list[_Live] = []  # jobs with rows in the cache, in admission order
+        self._freed = 0  # cache rows the latest release freed (their clients may be about to send again)
+        self._cycle_s = 0.0  # how long the latest join + decode step took
 
     def _run_next(self) -> bool:
         """One decode step with whatever joins and leaves around it; False once stopping."""
         jobs = self._admit()
         if jobs is None:
             return False
+        t0 = time.monotonic()
         try:
             if jobs:
                 self._join(jobs)
@@ -86,6 +95,7 @@ class ContinuousScheduler(Scheduler):
             log.exception("decode step of %d rows failed", len(self._cache_rows))
             self._fail_all(f"Internal error while decoding ({type(e).__name__}); the server is still running.")
         self._release()
+        self._cycle_s = time.monotonic() - t0
         return True
 
     def _admit(self) -> list[Job] | None:
@@ -98,6 +108,7 @@ class ContinuousScheduler(Scheduler):
                 if self._waiting or self._cache_rows:
                     break
                 self._cond.wait()
+            self._await_returning()
             free, budget, jobs = self.slots.free_rows, self.config.prefill_tokens, []
             while self._waiting and len(self._waiting[0].rows) <= free and (not jobs or budget > 0):
                 job = self._waiting.popleft()
@@ -106,6 +117,21 @@ class ContinuousScheduler(Scheduler):
                 jobs.append(job)
             self._running.extend(jobs)
             return jobs
+
+    def _await_returning(self) -> None:
+        """Rows freed by the last step: wait a moment (at most RETURN_SHARE of a cycle) for as many requests.
+
+        A client whose stream just ended often sends its next request within milliseconds (a chat turn, an agent
+        loop, the benchmark's closed loop); admitting before it arrives leaves its row empty for a whole cycle and
+        makes it wait for that cycle's prefill and step first. Called with the lock held.
+        """
+        freed, self._freed = self._freed, 0
+        deadline = time.monotonic() + RETURN_SHARE * self._cycle_s
+        while not self._closing and len(self._waiting) < min(freed, self.slots.free_rows):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(left)
 
     def _join(self, jobs: list[Job]) -> None:
         """Prefill the jobs' rows into free cache rows, then sample their first tokens."""
@@ -145,7 +171,7 @@ class ContinuousScheduler(Scheduler):
         where = {self._cache_rows[c]: j for j, c in enumerate(cache_rows)}
         for c in cache_rows:
             self._pending[c] = -1
-        columns = self.slots.columns
+        columns, best = self.slots.columns, None
         for live in {self._cache_rows[c][0]: None for c in cache_rows}:  # each job once, in cache order
             for i, row in enumerate(live.job.rows):
                 j = where.get((live, i))
@@ -154,8 +180,13 @@ class ContinuousScheduler(Scheduler):
                         live.rng.random()
                     continue
                 scores = lp[j : j + 1]
-                adjusted = scores if live.extras is None else live.extras[i].apply(scores, row.n_tokens)
-                token = int(next_tokens(adjusted, live.params, [live.seen[i]], row.n_tokens, live.rng, columns)[0])
+                if live.extras is None and _plain_greedy(live.params, row.n_tokens):
+                    # no processor changes its scores: one argmax over every row of the step serves them all
+                    best = greedy_tokens(lp, columns) if best is None else best
+                    token = int(best[j])
+                else:
+                    adjusted = scores if live.extras is None else live.extras[i].apply(scores, row.n_tokens)
+                    token = int(next_tokens(adjusted, live.params, [live.seen[i]], row.n_tokens, live.rng, columns)[0])
                 if live.extras is not None:
                     live.extras[i].push(token)
                 record = None
@@ -171,7 +202,7 @@ class ContinuousScheduler(Scheduler):
 
     def _release(self) -> None:
         """Free the cache rows of finished rows and of clients that left (the last row moves into the hole)."""
-        dropped = 0
+        dropped = freed = 0
         for c in reversed(range(len(self._cache_rows))):
             live, i = self._cache_rows[c]
             row = live.job.rows[i]
@@ -186,6 +217,8 @@ class ContinuousScheduler(Scheduler):
             self._cache_rows.pop()
             self._pending.pop()
             live.in_cache[i] = False
+            freed += 1
+        self._freed += freed
         ended = [live for live in self._live if not live.running]
         if ended:
             self._live = [live for live in self._live if live.running]
@@ -211,13 +244,22 @@ class ContinuousScheduler(Scheduler):
         return out
 
 
+def _plain_greedy(params: SamplingParams, n_generated: int) -> bool:
+    """Greedy with no logits processor active at this step: the token is the raw scores' argmax."""
+    return (params.greedy and not params.uses_history and not params.bad_words_ids
+            and n_generated >= params.min_new_tokens)  # fmt: skip
+
+
 def load_scheduler(
     model_dir: str | Path, config: ServeConfig, device: str = "cpu", threads: int | None = None, verify: bool = True
 ) -> Scheduler:
-    """Load the folder's Generator and wrap it in the scheduler config.scheduler names."""
+    """Load the folder's Generator and wrap it in the scheduler config.scheduler names. ONNX Runtime's threads
+    do not spin between runs: the event loop that parses requests and writes streams needs those cores between
+    steps (on 2 cores, spinning halved the tokens/s of either scheduler under HTTP load: benchmarks/README.md)."""
     from gpt2edge.runtime import Generator
 
-    return make_scheduler(Generator(model_dir, device=device, threads=threads, verify=verify), config)
+    gen = Generator(model_dir, device=device, threads=threads, verify=verify, spin=False)
+    return make_scheduler(gen, config)
 
 
 def make_scheduler(generator, config: ServeConfig) -> Scheduler:

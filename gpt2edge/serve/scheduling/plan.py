@@ -101,6 +101,7 @@ class ModelLimits:
     vocab_size: int
     encode: Callable[[str], list[int]]
     row_extras: bool = True
+    rows_why: str = ""  # why max_rows is below --max-batch: " (its static graph's batch)", memory
 
 
 def plan_request(
@@ -125,7 +126,7 @@ def plan_request(
     if not prompts:
         raise ApiError(400, "prompt must not be an empty list.", "prompt", "invalid_value")
     if len(prompts) * n > max_rows:
-        why = "" if max_rows == config.max_batch else " (its static graph's batch)"
+        why = limits.rows_why
         raise ApiError(
             400,
             f"This request asks for {len(prompts) * n} completions ({len(prompts)} prompt(s) x n={n}); this server "

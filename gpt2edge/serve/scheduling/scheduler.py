@@ -17,6 +17,7 @@ from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import fail, run_batch, take_batch
 from gpt2edge.serve.scheduling.jobs import Job
 from gpt2edge.serve.scheduling.plan import ModelLimits
+from gpt2edge.serve.scheduling.rows import serving_rows
 
 FILL_SHARE = 0.05  # a new batch may wait this share of the previous batch's decode time for its rows
 
@@ -51,9 +52,9 @@ class Scheduler:
     def __init__(self, generator, config: ServeConfig) -> None:
         self.generator = generator
         self.config = config
-        # a --static graph runs at most its batch of rows, each within its cache capacity
+        # a --static graph runs at most its batch of rows, each within its cache capacity; memory bounds the rest
         self.n_positions = int(generator.lm.n_positions)
-        self.max_rows = min(config.max_batch, int(getattr(generator.lm, "batch", config.max_batch)))
+        self.max_rows, self._rows_why = serving_rows(generator, config.max_batch)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
@@ -70,7 +71,7 @@ class Scheduler:
 
     def limits(self) -> ModelLimits:
         vocab = int(self.generator.graph.vocab_size)
-        return ModelLimits(self.n_positions, self.max_rows, vocab, self.encode, self.row_extras)
+        return ModelLimits(self.n_positions, self.max_rows, vocab, self.encode, self.row_extras, self._rows_why)
 
     def encode(self, prompt: str) -> list[int]:
         """A prompt's token ids; GPT-2 starts an empty one from <|endoftext|>, as the runtime does."""

@@ -1,0 +1,45 @@
+"""How many rows a server decodes together: --max-batch, or by default DEFAULT_ROWS when their KV cache fits.
+
+The continuous scheduler's cache rows grow on demand up to the model's whole context, so a server is sized for
+that worst case before it serves anything: every row's KV cache over n_positions (two copies on a concat graph)
+and its step's log-probs, against the memory this process can still take (gpt2edge.memory).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gpt2edge.errors import ServeError
+from gpt2edge.memory import SHARE, available_bytes, fmt_bytes
+from gpt2edge.runtime.model.memory_plan import generation_estimate
+from gpt2edge.serve.hosting.config import DEFAULT_MAX_BATCH as DEFAULT_ROWS
+
+log = logging.getLogger("gpt2edge.serve")
+
+STATIC = " (its static graph's batch)"
+MEMORY = " (what this machine's memory holds)"
+
+
+def serving_rows(generator, max_batch: int | None) -> tuple[int, str]:
+    """(rows, why fewer than asked: "" or STATIC or MEMORY). An explicit max_batch that would not fit is refused
+    (ServeError, before any request is taken); the default shrinks to what fits, with a log line."""
+    static = getattr(generator.lm, "batch", None)
+    if static is not None:  # a --static graph: its cache is already allocated for its batch
+        asked = DEFAULT_ROWS if max_batch is None else max_batch
+        return (int(static), STATIC) if static < asked else (asked, "")
+    folder, n = generator.folder, int(generator.folder.n_positions)
+    per_row = generation_estimate(folder, [[0]], n).total  # one row over the whole context, and its log-probs
+    avail = available_bytes()
+    rows = DEFAULT_ROWS if max_batch is None else max_batch
+    if avail is None or rows * per_row <= SHARE * avail:
+        return rows, ""
+    fit = int(SHARE * avail // per_row)
+    need = f"{rows} rows of {n} positions would hold about {fmt_bytes(rows * per_row)} of KV cache and log-probs"
+    if max_batch is not None or fit < 1:
+        raise ServeError(
+            f"--max-batch: {need}, more than the {fmt_bytes(avail)} available; "
+            + (f"lower --max-batch to at most {fit}, or free memory." if fit >= 1 else "free memory.")
+        )
+    log.warning("%s, more than the %s available: serving %d rows (set --max-batch to choose)", need,
+                fmt_bytes(avail), fit)  # fmt: skip
+    return fit, MEMORY
