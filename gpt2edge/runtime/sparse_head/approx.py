@@ -20,6 +20,7 @@ from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import resolve_inside
 from gpt2edge.manifest.records import Manifest, check_relpath
 from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
+from gpt2edge.runtime.sparse_head.body import BodyLM
 
 APPROX_FILE = "approx.onnx"
 MODES = ("cluster",)
@@ -125,32 +126,15 @@ class ApproxGraph:
             return self.head_session.run(None, x, self.run_options)[0]
 
 
-class ApproxLM:
+class ApproxLM(BodyLM):
     """OrtLM's contract on an approximate folder: forward() -> (B, V) approximate log-probs, once a generate
     loop has called configure_head(params, logprobs) after start(). A loop that never configures the head
     (beam search, several sequences per prompt, scoring, parity) is refused at its first forward, before any
     output. Not thread-safe (one per generation, like OrtLM)."""
 
     def __init__(self, graph: ApproxGraph, io_binding: bool = True) -> None:
-        self.graph = graph
-        self.body = graph.body.new_lm(io_binding)
+        super().__init__(graph, io_binding)
         self.configured = False
-        self.kept_ids = None
-        self.columns = None
-
-    def __getattr__(self, name: str):
-        # dims, cache and row management are the body's (use_rows, expand_rows, reorder_rows, rewind, compact ...)
-        if name == "body":
-            raise AttributeError(name)
-        return getattr(self.body, name)
-
-    @property
-    def past_len(self) -> int:
-        return self.body.past_len
-
-    @past_len.setter
-    def past_len(self, value: int) -> None:
-        self.body.past_len = value
 
     def start(self, batch: int, length: int) -> None:
         self.configured = False  # each generation configures again
@@ -171,12 +155,6 @@ class ApproxLM:
         if keep is not None:  # a last-position graph: keep is 1 (OrtLM refuses more)
             return self.graph.head(h[:, -1])[:, None]
         return self.graph.head(h)
-
-    def forward_kept(self, input_ids, attention_mask, position_ids) -> np.ndarray:
-        return self.forward(input_ids, attention_mask, position_ids)
-
-    def to_full_vocab(self, lp: np.ndarray) -> np.ndarray:
-        return lp
 
 
 def sparse_graph(body, device: str = "cpu", threads: int | None = None, spin: bool = True):

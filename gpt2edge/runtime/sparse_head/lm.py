@@ -25,6 +25,7 @@ import numpy as np
 from gpt2edge.errors import ModelFolderError
 from gpt2edge.manifest import resolve_inside
 from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
+from gpt2edge.runtime.sparse_head.body import BodyLM
 from gpt2edge.runtime.sparse_head.exact import TIE, HeadKernel
 from gpt2edge.runtime.sparse_head.fused import FUSED_TOL, IDS, FusedReader
 from gpt2edge.runtime.sparse_head.policy import sparse_k
@@ -197,7 +198,7 @@ class SparseGraph:
         return ub, perp, slack
 
 
-class SparseLM:
+class SparseLM(BodyLM):
     """OrtLM's contract on a sparse-head folder: forward() -> (B, V) rows for the next token.
 
     By default (and after every start()) each step runs the full head: log-probs, as OrtLM gives. A generate
@@ -206,27 +207,10 @@ class SparseLM:
     top-k softmax, not log-probs. Not thread-safe (one per generation, like OrtLM)."""
 
     def __init__(self, graph: SparseGraph, io_binding: bool = True) -> None:
-        self.graph = graph
-        self.body = graph.body.new_lm(io_binding)
+        super().__init__(graph, io_binding)
         self.kernel = HeadKernel(graph.table, graph.rec.kind, graph.folder.dims.n_embd)
         self.fused = FusedReader(self.body, graph.fused_k, graph.vocab_size) if graph.fused_k else None
         self.k: int | None = None
-        self.kept_ids = None
-        self.columns = None
-
-    def __getattr__(self, name: str):
-        # dims, cache and row management are the body's (use_rows, expand_rows, reorder_rows, rewind, compact ...)
-        if name == "body":
-            raise AttributeError(name)
-        return getattr(self.body, name)
-
-    @property
-    def past_len(self) -> int:
-        return self.body.past_len
-
-    @past_len.setter
-    def past_len(self, value: int) -> None:
-        self.body.past_len = value
 
     def start(self, batch: int, length: int) -> None:
         self.k = None  # a loop that never configures the head (beam search, scoring) gets log-probs
@@ -259,12 +243,6 @@ class SparseLM:
                 f.full_row(b, g.full_head(h[b : b + 1])[0])
         g.count(steps=len(h), certified=certified, fallbacks=len(h) - certified, rows_read=certified * f.K)
         return f.rows
-
-    def forward_kept(self, input_ids, attention_mask, position_ids) -> np.ndarray:
-        return self.forward(input_ids, attention_mask, position_ids)
-
-    def to_full_vocab(self, lp: np.ndarray) -> np.ndarray:
-        return lp
 
     def _head(self, h: np.ndarray) -> np.ndarray:
         """(B, C) hidden -> (B, V) rows: log-probs from the full head, or certified sparse rows."""
