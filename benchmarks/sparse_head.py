@@ -162,6 +162,28 @@ def random_model(model: str, work: Path) -> str:
     return str(out)
 
 
+def add_pair(rows: dict, got: dict) -> None:
+    """One interleaved pair: got[label] = (ms per token, tokens) for "full" and "sparse"."""
+    rows["full"].append(got["full"][0])
+    rows["sparse"].append(got["sparse"][0])
+    rows["ratio"].append(got["full"][0] / got["sparse"][0])
+    rows["identical"] &= got["full"][1] == got["sparse"][1]
+
+
+def summary(rows: dict, sparse) -> dict:
+    """Medians and the ratio's range over the pairs, with the sparse head's certification counts."""
+    stats = sparse.graph.stats.to_json(sparse.graph.vocab_size)
+    return dict(
+        full_ms=st.median(rows["full"]),
+        sparse_ms=st.median(rows["sparse"]),
+        ratio_median=st.median(rows["ratio"]),
+        ratio_range=[min(rows["ratio"]), max(rows["ratio"])],
+        identical=rows["identical"],
+        certified_fraction=stats["certified_fraction"],
+        rows_read_fraction=stats["rows_read_fraction"],
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(Path(__file__).resolve().parents[2] / "shared" / "trained-gpt2-py"))
@@ -207,20 +229,8 @@ def main() -> None:
                     got = {}
                     for label, gen in order:
                         got[label] = locked(lambda g=gen, kw=kw, p=prompt: decode(g, kw, args.tokens, [p]))
-                    rows["full"].append(got["full"][0])
-                    rows["sparse"].append(got["sparse"][0])
-                    rows["ratio"].append(got["full"][0] / got["sparse"][0])
-                    rows["identical"] &= got["full"][1] == got["sparse"][1]
-            stats = sparse.graph.stats.to_json(sparse.graph.vocab_size)
-            results[f"{p} {name}"] = dict(
-                full_ms=st.median(rows["full"]),
-                sparse_ms=st.median(rows["sparse"]),
-                ratio_median=st.median(rows["ratio"]),
-                ratio_range=[min(rows["ratio"]), max(rows["ratio"])],
-                identical=rows["identical"],
-                certified_fraction=stats["certified_fraction"],
-                rows_read_fraction=stats["rows_read_fraction"],
-            )
+                    add_pair(rows, got)
+            results[f"{p} {name}"] = summary(rows, sparse)
         if "forced" not in wanted:
             continue
         # real text, not the model's own (peaked, repetitive) greedy output: this repo's source, held out
@@ -232,20 +242,8 @@ def main() -> None:
         for r in range(args.rounds):
             order = [("full", full, False), ("sparse", sparse, True)][:: 1 if r % 2 == 0 else -1]
             got = {label: locked(lambda g=g, sp=sp, ids=ids: forced(g, ids, sp)) for label, g, sp in order}
-            rows["full"].append(got["full"][0])
-            rows["sparse"].append(got["sparse"][0])
-            rows["ratio"].append(got["full"][0] / got["sparse"][0])
-            rows["identical"] &= got["full"][1] == got["sparse"][1]
-        stats = sparse.graph.stats.to_json(sparse.graph.vocab_size)
-        results[f"{p} forced (real code)"] = dict(
-            full_ms=st.median(rows["full"]),
-            sparse_ms=st.median(rows["sparse"]),
-            ratio_median=st.median(rows["ratio"]),
-            ratio_range=[min(rows["ratio"]), max(rows["ratio"])],
-            identical=rows["identical"],
-            certified_fraction=stats["certified_fraction"],
-            rows_read_fraction=stats["rows_read_fraction"],
-        )
+            add_pair(rows, got)
+        results[f"{p} forced (real code)"] = summary(rows, sparse)
     if args.random:
         rnd = build(random_model(args.model, args.work), args.work / "random", args.rank, args.candidates)
         gen = Generator(rnd["int8"][1], threads=args.threads)
