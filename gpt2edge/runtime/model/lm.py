@@ -28,7 +28,7 @@ class OrtGraph:
 
     def __init__(
         self, folder: ModelFolder, device: str = "cpu", threads: int | None = None, spin: bool = True,
-        output: str = "logprobs",
+        output: str = "logprobs", lean: bool = False,
     ) -> None:  # fmt: skip
         if folder.graph.static is not None:
             raise ModelFolderError(
@@ -38,8 +38,7 @@ class OrtGraph:
         if folder.info.raw.get("sparse_head") is not None and output == "logprobs":  # its graph returns `hidden`
             raise ModelFolderError(f"{folder.path} has a sparse head; load it with load_graph (or Generator).")
         self.output = output  # the first output: "logprobs", or "hidden" (a sparse-head body, runtime/sparse_head)
-        self.folder = folder
-        self.device = device
+        self.folder, self.device = folder, device
         self.shared = folder.kv_cache == "shared"
         if self.shared and device != "cpu":
             raise DeviceError(
@@ -47,7 +46,8 @@ class OrtGraph:
                 "export with --kv-cache concat."
             )
         self.session = create_session(
-            folder.graph_path, device=device, threads=threads, model_format=folder.graph_format, spin=spin
+            folder.graph_path, device=device, threads=threads, model_format=folder.graph_format, spin=spin,
+            lean=lean, precision=folder.precision,
         )
         d = folder.dims
         self.n_layer, self.n_head, self.head_dim = d["n_layer"], d["n_head"], d["head_dim"]
@@ -104,19 +104,19 @@ class OrtGraph:
 
 
 def load_graph(
-    folder: ModelFolder, device: str = "cpu", threads: int | None = None, spin: bool = True
+    folder: ModelFolder, device: str = "cpu", threads: int | None = None, spin: bool = True, lean: bool = False
 ) -> OrtGraph | StaticGraph:
     """The folder's graph, loaded as its manifest says: a StaticGraph for a static-shape export, else an
     OrtGraph. Either one's `new_lm()` makes a generation context (OrtLM or StaticLM, one contract). spin=False:
-    idle intra-op threads sleep (a draft model alternates with this graph token by token)."""
+    idle intra-op threads sleep (a draft model alternates with this graph token by token). lean: create_session's."""
     if folder.graph.static is not None:
-        return StaticGraph.from_folder(folder, device=device, threads=threads)
+        return StaticGraph.from_folder(folder, device=device, threads=threads, lean=lean)
     if folder.info.raw.get("sparse_head") is not None:  # the body here, the head in runtime/sparse_head
         from gpt2edge.runtime.sparse_head.approx import sparse_graph  # exact, or an approximate mode
 
-        body = OrtGraph(folder, device=device, threads=threads, spin=spin, output="hidden")
+        body = OrtGraph(folder, device=device, threads=threads, spin=spin, output="hidden", lean=lean)
         return sparse_graph(body, device=device, threads=threads, spin=spin)
-    return OrtGraph(folder, device=device, threads=threads, spin=spin)
+    return OrtGraph(folder, device=device, threads=threads, spin=spin, lean=lean)
 
 
 class OrtLM(CacheRows):

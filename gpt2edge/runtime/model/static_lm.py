@@ -34,11 +34,13 @@ class StaticGraph:
         device: str = "cpu",
         threads: int | None = None,
         folder: ModelFolder | None = None,
+        lean: bool = False,
     ) -> None:
         self.folder, self.device = folder, device
-        self.prefill = create_session(prefill, device=device, threads=threads)
+        lean_args = {"lean": lean, "precision": folder.precision if folder is not None else None}
+        self.prefill = create_session(prefill, device=device, threads=threads, **lean_args)
         same = decode is None or Path(decode) == Path(prefill)
-        self.decode = self.prefill if same else create_session(decode, device=device, threads=threads)
+        self.decode = self.prefill if same else create_session(decode, device=device, threads=threads, **lean_args)
         where = folder.path if folder is not None else prefill
         shapes = {i.name: i.shape for i in self.prefill.get_inputs()}
         if any(not isinstance(d, int) for s in shapes.values() for d in s):
@@ -59,14 +61,16 @@ class StaticGraph:
             raise ModelFolderError(f"{where}: the decode graph does not take ({self.batch}, 1) ids; re-export.")
 
     @classmethod
-    def from_folder(cls, folder: ModelFolder, device: str = "cpu", threads: int | None = None) -> StaticGraph:
+    def from_folder(
+        cls, folder: ModelFolder, device: str = "cpu", threads: int | None = None, lean: bool = False
+    ) -> StaticGraph:
         """Load a static folder's graphs (named by its manifest) and check them against the manifest."""
         s = folder.graph.static
         if s is None:
             raise ModelFolderError(f"{folder.path} is not a static-shape export (no graph.static in its manifest).")
         prefill = resolve_inside(folder.path, s.prefill_file)
         decode = resolve_inside(folder.path, s.decode_file)
-        g = cls(prefill, decode, device=device, threads=threads, folder=folder)
+        g = cls(prefill, decode, device=device, threads=threads, folder=folder, lean=lean)
         d = folder.dims
         got = (g.batch, g.chunk, g.n_positions, g.n_layer, g.vocab_size)
         if got != (s.batch, s.chunk, s.capacity, d.n_layer, d.vocab_size):
