@@ -9,10 +9,14 @@ silently accepted: a renamed transformer would bring the copies back without any
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 
 import gpt2edge.quality as quality
 from gpt2edge.quality import compare_folders, stream_logprobs
@@ -98,3 +102,31 @@ def test_quality_report_builds_lean_sessions(fp16_folder, tiny_export, monkeypat
     assert [c.get("lean") for c in calls] == [True, True]  # the fp32 reference and the fp16 variant
     assert created == [[ort_session.FP16_FOLDING]] * 2
     assert report["top1_agreement"] >= 0.99 and report["mean_kl"] <= 1e-4  # test_quantize's fp16 thresholds
+
+
+def test_exported_module_copies_the_vectors_and_shares_the_matrices(hf_model):
+    """torch.onnx keeps references to some parameters after export (their onnx-ir constants); a view of the
+    checkpoint pins its whole memory map, so the vectors are copies (0.1 % of the weights) and the matrices are
+    shared (one copy of the weights, not two)."""
+    from gpt2edge.export.model import from_hf_model
+
+    ours = from_hf_model(hf_model).state_dict()
+    theirs = {k.removeprefix("transformer."): v for k, v in hf_model.state_dict().items()}
+    for name, v in ours.items():
+        src = theirs[name] if name != "lm_head" else theirs["lm_head.weight"]
+        assert (v.data_ptr() == src.data_ptr()) == (v.dim() > 1), name
+        assert torch.equal(v, src), name
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+@pytest.mark.parametrize("kv_cache", ["concat", "shared"])
+def test_export_lets_go_of_the_checkpoint_file(tmp_path, kv_cache):
+    """Once export_model returns (validation included), no page of the checkpoint's model.safetensors is mapped:
+    the memory map transformers loads it with is not pinned by anything the export keeps."""
+    from gpt2edge.export import export_model, make_random_checkpoint
+
+    ckpt = make_random_checkpoint(tmp_path / "ckpt", size="tiny", seed=3)
+    export_model(str(ckpt), tmp_path / "out", kv_cache=kv_cache, log=None)
+    gc.collect()
+    weights = str((ckpt / "model.safetensors").resolve())
+    assert not [line for line in Path("/proc/self/maps").read_text().splitlines() if weights in line]
