@@ -277,6 +277,7 @@ def test_estimates_grow_linearly_and_match_the_shapes():
     assert need.memory <= 2.5 * xl and need.lighter is not None
     for mode in ("fp16", "int8", "int4"):  # streamed, every mode
         assert quantize_need(xl, mode, report=False).memory <= 1.5 * xl, mode
+        assert quantize_need(xl, mode, report=True).memory <= 1.5 * xl, mode  # its sessions are lean
 
 
 def test_ort_format_of_a_graph_over_2gb_is_refused(tiny_export, tmp_path, monkeypatch):
