@@ -145,6 +145,10 @@ def server_delta(before: dict, after: dict, decoded_rows: int) -> dict | None:
         return None
     out = {k: round(after[k] - before[k], 3) for k in keys}
     out["rows_per_step"] = round(decoded_rows / max(1, out["steps"]), 1)  # tokens after each first: step tokens
+    if "cache_slots_read" in after:  # cache slots the steps read per slot holding a token (masked ones are waste)
+        read = after["cache_slots_read"] - before.get("cache_slots_read", 0)
+        used = after["cache_slots_used"] - before.get("cache_slots_used", 0)
+        out["slots_read_per_used"] = round(read / max(1, used), 2)
     return out
 
 

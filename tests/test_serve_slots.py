@@ -96,3 +96,19 @@ def test_slot_lm_refuses_what_it_cannot_hold(tiny_export):
         slot.free(0)
     with pytest.raises(GenerationError, match="needs at least 1 row"):
         SlotLM(gen.graph, rows=0)
+
+
+def test_masked_slots_left_by_a_long_row_are_repacked_away(tiny_export_shared):
+    """A long row leaves and a short one stays: the next step re-packs instead of reading the long row's slots
+    (decode steps read every slot up to P, masked or not); the short row's tokens stay its own."""
+    gen = Generator(tiny_export_shared)
+    short, long_ = gen.tokenizer.encode(TEXTS[0]), gen.tokenizer.encode(TEXTS[2])  # 4 and 13 tokens
+    slot = SlotLM(gen.graph, rows=2)
+    lp = slot.join([short, long_], gen.pad_token_id)
+    tokens = [int(lp[0].argmax())]
+    slot.free(1)  # the long row leaves: P stays at its 13 slots, 9 of them masked for the short row
+    for _ in range(3):
+        tokens.append(int(slot.step(np.array([tokens[-1]]))[0].argmax()))
+        assert slot.past_len == slot.lengths[0]  # no masked slot before the row
+    assert slot.slots_read == slot.slots_used
+    assert tokens == gen.generate(TEXTS[0], max_new_tokens=4, **GREEDY).token_ids

@@ -173,3 +173,34 @@ def test_approximate_folder_is_not_a_parent(folders, tmp_path):
     _, _, some = folders["fp32"]
     one_error_line(cli("sparse-head", some, "-o", tmp_path / "a", "--mode", "cluster"), "already has a sparse head")
     one_error_line(cli("sparse-head", some, "-o", tmp_path / "b"), "already has a sparse head")
+
+
+@pytest.mark.parametrize("which", [2, 0], ids=["approximate", "parent"])
+def test_served_responses_are_labelled(folders, which):
+    """A server on an approximate folder says so on every /v1 response (X-Gpt2edge-Head) and in its model
+    card; a server on any other folder does not."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
+    from gpt2edge.serve import ServeConfig
+    from gpt2edge.serve.api.app import create_app
+    from gpt2edge.serve.hosting.server import BackgroundServer
+    from gpt2edge.serve.scheduling.continuous import make_scheduler
+
+    folder = folders["int4"][which]
+    config = ServeConfig(model_name="t")
+    scheduler = make_scheduler(Generator(folder), config)
+    with BackgroundServer(create_app(lambda: scheduler, config)) as url:
+        body = {"model": "t", "prompt": "def f(x):", "max_tokens": 3}
+        plain = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        streamed = httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+        card = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
+        health = httpx.get(url + "/health", timeout=30)
+    assert plain.status_code == streamed.status_code == 200 and plain.json()["choices"][0]["text"] is not None
+    assert "x-gpt2edge-head" not in health.headers  # operators' endpoints are not model output
+    if which == 0:
+        assert "x-gpt2edge-head" not in plain.headers and "approximate_head" not in card
+        return
+    rec = json.loads((folder / "manifest.json").read_text())["sparse_head"]
+    label = f"approximate; mode=cluster; clusters=16; probe=2; rows_per_step={rec['rows_per_step']}"
+    assert plain.headers["x-gpt2edge-head"] == streamed.headers["x-gpt2edge-head"] == label
+    assert card["approximate_head"]["approximate"] is True and card["approximate_head"]["probe"] == 2

@@ -32,7 +32,11 @@ from gpt2edge.runtime.model.lm import OrtGraph
 from gpt2edge.runtime.model.ort_session import run_errors
 
 MIN_POSITIONS = 64  # the first allocation's positions per row; doubled as rows grow
-REPACK_WASTE = 32  # re-pack once P exceeds the longest row by this many slots and by a quarter of P
+# re-pack once P exceeds the longest row by this many slots and by an eighth of P: a re-pack copies every live row
+# once, while the masked slots are read by every step until then (at 16 rows, GPT-2 small int8, letting P run up
+# to a quarter past the longest row read 1.4x the slots and cost 4-20 % of the decode steps: benchmarks/README.md)
+REPACK_WASTE = 8
+REPACK_SHARE = 8
 
 
 class SlotLM:
@@ -55,6 +59,7 @@ class SlotLM:
         self.capacity = 0  # positions allocated per row
         self.allocations = 0
         self.relayouts = 0  # re-packs and shifts (a copy of the live rows each)
+        self.slots_read = self.slots_used = 0  # cache slots decode steps read, and those of them holding a token
         self._storage: np.ndarray | None = None
         self._src = 0  # concat: the ping-pong slot holding the past
         # seconds spent so far: newcomers' prefill runs, copying their keys/values in, shifts and re-packs
@@ -182,7 +187,7 @@ class SlotLM:
 
     def _wasteful(self, longest: int) -> bool:
         waste = self.past_len - longest
-        return waste > REPACK_WASTE and 4 * waste > self.past_len
+        return waste > REPACK_WASTE and REPACK_SHARE * waste > self.past_len
 
     # ---- the graph ---------------------------------------------------------------------------------------------
 
@@ -233,6 +238,8 @@ class SlotLM:
         with run_errors(self.graph.folder.graph_path):
             self.graph.session.run_with_iobinding(b, self.graph.run_options)
         self.seconds["step"] += time.perf_counter() - t0
+        self.slots_read += k * (P + 1)  # every step reads P + 1 slots per row, masked or not
+        self.slots_used += int(self.lengths[:k].sum()) + k
         self._src = dst
         self.past_len = P + 1
         self.lengths[:k] += 1

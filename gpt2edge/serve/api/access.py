@@ -40,6 +40,17 @@ def _route(path: str) -> str:
     return path if path in ROUTES else "other"
 
 
+def head_label(scope: Scope) -> str | None:
+    """X-Gpt2edge-Head on /v1 responses of a server whose folder has an approximate LM head, e.g.
+    "approximate; mode=cluster; clusters=1024; probe=16; rows_per_step=784" (None otherwise)."""
+    app = scope.get("app")
+    scheduler = getattr(getattr(app, "state", None), "scheduler", None)
+    head = getattr(scheduler, "head", None)
+    if head is None or not scope["path"].startswith("/v1/"):
+        return None
+    return "; ".join(["approximate", *(f"{k}={v}" for k, v in head.items() if k != "approximate")])
+
+
 class AccessMiddleware:
     def __init__(self, app: ASGIApp, config: ServeConfig, metrics) -> None:
         self.app, self.config, self.metrics = app, config, metrics
@@ -59,6 +70,9 @@ class AccessMiddleware:
             if message["type"] == "http.response.start":
                 sent["status"] = message["status"]
                 MutableHeaders(scope=message).append("x-request-id", rid)
+                label = head_label(scope)
+                if label is not None:
+                    MutableHeaders(scope=message).append("x-gpt2edge-head", label)
             elif message["type"] == "http.response.body":
                 sent["bytes"] += len(message.get("body", b""))
             await send(message)

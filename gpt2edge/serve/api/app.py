@@ -96,6 +96,9 @@ def create_app(
 
 
 def _ready(app: FastAPI, scheduler: Scheduler) -> None:
+    if scheduler.head is not None:
+        log.warning("%s has an approximate LM head (%s): its text is not the model's distribution",
+                    app.state.config.model_name, scheduler.head)  # fmt: skip
     scheduler.start()
     app.state.scheduler = scheduler
 
@@ -121,13 +124,16 @@ def drain(app) -> None:
 
 def _model_card(request: Request, config: ServeConfig) -> dict:
     scheduler = ready_scheduler(request)
-    return {
+    card = {
         "id": config.model_name,
         "object": "model",
         "created": request.app.state.started,
         "owned_by": "gpt2edge",
         "max_model_len": scheduler.n_positions,
     }
+    if scheduler.head is not None:  # sparse-head --mode cluster: its rows are not the model's log-probs
+        card["approximate_head"] = scheduler.head
+    return card
 
 
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:

@@ -241,6 +241,7 @@ class ContinuousScheduler(Scheduler):
             out["running"] = len(self._cache_rows)
         out.update({f"cache_{k}_s": round(v, 4) for k, v in self.slots.seconds.items()})
         out["cache_relayouts"] = self.slots.relayouts
+        out["cache_slots_read"], out["cache_slots_used"] = self.slots.slots_read, self.slots.slots_used
         return out
 
 

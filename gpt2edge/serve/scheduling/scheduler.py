@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
+from gpt2edge.runtime.sparse_head.approx import ApproxGraph
 from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import fail, run_batch, take_batch
 from gpt2edge.serve.scheduling.jobs import Job
@@ -63,6 +64,9 @@ class Scheduler:
         self._last_arrival = 0.0  # time.monotonic() of the latest submit
         self._last_batch_s = 0.0  # how long the previous batch decoded
         self._stats = SchedulerStats()
+        # an approximate LM head (sparse-head --mode cluster) is not the model's distribution: every /v1 response
+        # and the model card say so (None for every other folder)
+        self.head = generator.graph.rec.describe() if isinstance(generator.graph, ApproxGraph) else None
         self._thread = threading.Thread(target=self._loop, name="gpt2edge-scheduler", daemon=True)
 
     @property
