@@ -10,6 +10,7 @@ silently accepted: a renamed transformer would bring the copies back without any
 from __future__ import annotations
 
 import gc
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +131,19 @@ def test_export_lets_go_of_the_checkpoint_file(tmp_path, kv_cache):
     gc.collect()
     weights = str((ckpt / "model.safetensors").resolve())
     assert not [line for line in Path("/proc/self/maps").read_text().splitlines() if weights in line]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_quantize_returns_freed_heap_before_the_report(tiny_export, tmp_path, monkeypatch):
+    """The rewrite's freed arrays go back to the system before the report's sessions load (gpt2-large int8 with
+    the report: the quantization's heap stayed resident under the fp32 session)."""
+    import gpt2edge.quantize.handler as handler
+    from gpt2edge.heap import return_free_memory
+
+    assert return_free_memory() is True
+    order = []
+    monkeypatch.setattr(handler, "return_free_memory", lambda: order.append("trim") or True)
+    real = quality.compare_folders
+    monkeypatch.setattr(quality, "compare_folders", lambda *a, **k: order.append("report") or real(*a, **k))
+    quantize_model(tiny_export, tmp_path / "int8", make_recipe("int8"), log=None)
+    assert order == ["trim", "report"]

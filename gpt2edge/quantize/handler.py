@@ -17,6 +17,7 @@ from gpt2edge.errors import QuantizeError
 from gpt2edge.extras import require_extra
 from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder.checks import check_output_dir, check_sources
+from gpt2edge.heap import return_free_memory
 from gpt2edge.manifest import graph_files, load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.onnx_io.stats import decode_weight_bytes
 from gpt2edge.progress import Progress
@@ -127,6 +128,7 @@ def quantize_model(
             bar.update()
             manifest = write_manifest(tmp, _variant_manifest(parent, src, recipe, files, tmp))
             if report:
+                return_free_memory()  # the rewrite's freed arrays, before the report's sessions load on top
                 # measured on the finished folder, exactly as the runtime will load it
                 bar.set_postfix_str("quality report")
                 manifest["quality"] = compare_folders(src, tmp, text=text, variant_name=str(out))
