@@ -20,7 +20,7 @@ ORT_DEVICE = {"cpu": "cpu", "cuda": "cuda"}
 MAX_THREADS = max(os.cpu_count() or 1, 256)
 # ONNX Runtime's CPU provider has no fp16 MatMul on x86: it casts fp16 weights to fp32, and at ORT_ENABLE_ALL this
 # transformer folds each cast into an fp32 copy of the weight kept beside the fp16 one (an fp16 gpt2-large session
-# held 5.0 GB for 1.5 GB of fp16 weights). A lean session keeps the casts as runtime ops instead.
+# peaked at 4.85 GB for 1.5 GB of fp16 weights). A lean session keeps the casts as runtime ops instead.
 FP16_FOLDING = "FuseFp16InitializerToFp32NodeTransformer"
 
 
@@ -78,7 +78,7 @@ def lean_options(opts: ort.SessionOptions, precision: str | None) -> list[str]:
     weights stay fp16 (FP16_FOLDING off) and each cast runs just before its MatMul (PRIORITY_BASED order: the
     default order runs every cast first, so all fp32 copies were alive at once). An fp32 graph also loses
     prepacking (its MatMuls keep a packed copy of each weight beside the original: small 855 MB -> 499 MB of
-    heap; same results). int8/int4 kernels keep theirs: without it they take another, differently rounded path."""
+    heap; same results up to rounding). int8/int4 kernels keep theirs: without it they take another, differently rounded path."""
     opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     if precision == "fp32":
         opts.add_session_config_entry("session.disable_prepacking", "1")
@@ -95,7 +95,8 @@ def create_session(
     spin=False: the intra-op threads sleep between runs instead of spinning (speculative decoding alternates
     two sessions, whose spinning threads would otherwise take the cores the other one runs on).
     lean=True: memory over speed, for one-off runs such as the quality report (lean_options; `precision`, the
-    weights' as the manifest says, decides whether prepacking may go); the same computation and values.
+    weights' as the manifest says, decides whether prepacking may go); the same graph, values equal up to the
+    GEMMs' rounding (tests/test_scale_memory.py).
     """
     if device not in PROVIDERS:
         raise DeviceError(f"Unknown device '{device}'; choose one of {', '.join(PROVIDERS)}.")
