@@ -78,7 +78,8 @@ def lean_options(opts: ort.SessionOptions, precision: str | None) -> list[str]:
     weights stay fp16 (FP16_FOLDING off) and each cast runs just before its MatMul (PRIORITY_BASED order: the
     default order runs every cast first, so all fp32 copies were alive at once). An fp32 graph also loses
     prepacking (its MatMuls keep a packed copy of each weight beside the original: small 855 MB -> 499 MB of
-    heap; same results up to rounding). int8/int4 kernels keep theirs: without it they take another, differently rounded path."""
+    heap; same results up to rounding). int8/int4 kernels keep theirs: without it they take another, differently
+    rounded path."""
     opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     if precision == "fp32":
         opts.add_session_config_entry("session.disable_prepacking", "1")
