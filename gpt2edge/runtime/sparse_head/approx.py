@@ -20,7 +20,7 @@ from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import resolve_inside
 from gpt2edge.manifest.records import Manifest, check_relpath
 from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
-from gpt2edge.runtime.sparse_head.body import BodyLM
+from gpt2edge.runtime.sparse_head.body import BodyGraph, BodyLM
 
 APPROX_FILE = "approx.onnx"
 MODES = ("cluster",)
@@ -79,7 +79,7 @@ def refusal(what: str) -> str:
     )
 
 
-class ApproxGraph:
+class ApproxGraph(BodyGraph):
     """An approximate sparse-head folder loaded once (shared by threads): the body graph and approx.onnx."""
 
     def __init__(self, body, device: str = "cpu", threads: int | None = None, spin: bool = True) -> None:
@@ -98,23 +98,9 @@ class ApproxGraph:
                 f"{d.vocab_size} log-probs); {FIX}."
             )
 
-    def __getattr__(self, name: str):
-        # the OrtGraph surface (dims, names, kv cache kind) is the body's
-        if name == "body":
-            raise AttributeError(name)
-        return getattr(self.body, name)
-
     @property
     def approximate(self) -> dict[str, Any]:
         return self.rec.describe()
-
-    @property
-    def kept_ids(self) -> None:
-        return None
-
-    @property
-    def columns(self) -> None:
-        return None
 
     def new_lm(self, io_binding: bool = True) -> ApproxLM:
         return ApproxLM(self, io_binding=io_binding)

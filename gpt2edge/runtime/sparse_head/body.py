@@ -1,10 +1,24 @@
-"""What every sparse-head LM shares: OrtLM's contract delegated to the body graph's LM, the head left to it."""
+"""What every sparse-head graph and LM shares: the OrtGraph surface and OrtLM's contract delegated to the body's,
+the head left to the subclass."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+
+
+class BodyGraph:
+    """A sparse-head folder's graph: the body OrtGraph (dims, names, kv cache kind) behind OrtGraph's surface; a
+    subclass sets self.body and supplies new_lm() and its head. Rows are the whole vocabulary."""
+
+    kept_ids = None
+    columns = None
+
+    def __getattr__(self, name: str):
+        if name == "body":  # not set yet (during __init__ or unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.body, name)
 
 
 class BodyLM:

@@ -25,7 +25,7 @@ import numpy as np
 from gpt2edge.errors import ModelFolderError
 from gpt2edge.manifest import resolve_inside
 from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
-from gpt2edge.runtime.sparse_head.body import BodyLM
+from gpt2edge.runtime.sparse_head.body import BodyGraph, BodyLM
 from gpt2edge.runtime.sparse_head.exact import TIE, HeadKernel
 from gpt2edge.runtime.sparse_head.fused import FUSED_TOL, IDS, FusedReader
 from gpt2edge.runtime.sparse_head.policy import sparse_k
@@ -57,7 +57,7 @@ class SparseStats:
         return out
 
 
-class SparseGraph:
+class SparseGraph(BodyGraph):
     """A sparse-head folder loaded once (shared by threads): the body graph (an OrtGraph whose first output is
     `hidden`, from gpt2edge.runtime.model.lm.load_graph), the head graph, the bound graph and the tables."""
 
@@ -101,20 +101,6 @@ class SparseGraph:
         self.fused_k = rec.candidates if rec.candidates and IDS in outputs and self.certify else None
         if self.fused_k and not self._check_fused():
             self.fused_k = None
-
-    def __getattr__(self, name: str):
-        # the OrtGraph surface (dims, names, kv cache kind) is the body's
-        if name == "body":
-            raise AttributeError(name)
-        return getattr(self.body, name)
-
-    @property
-    def kept_ids(self) -> None:
-        return None
-
-    @property
-    def columns(self) -> None:
-        return None
 
     def new_lm(self, io_binding: bool = True) -> SparseLM:
         return SparseLM(self, io_binding=io_binding)

@@ -66,7 +66,7 @@ class Scheduler:
         self._stats = SchedulerStats()
         # an approximate LM head (sparse-head --mode cluster) is not the model's distribution: every /v1 response
         # and the model card say so (None for every other folder)
-        self.head = generator.graph.rec.describe() if isinstance(generator.graph, ApproxGraph) else None
+        self.head = generator.graph.approximate if isinstance(generator.graph, ApproxGraph) else None
         self._thread = threading.Thread(target=self._loop, name="gpt2edge-scheduler", daemon=True)
 
     @property
