@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpt2edge.runtime.sparse_head.exact import TIE
+from gpt2edge.runtime.sparse_head.native import STEP_INPUT
 
 IDS, LOGITS, BAR = "sparse_ids", "sparse_logits", "sparse_bar"
 FUSED_TOL = TIE / 8  # the graph's float32 logits against exact.py's (measured ~1e-6 on trained-gpt2-py)
@@ -25,10 +26,11 @@ FUSED_TOL = TIE / 8  # the graph's float32 logits against exact.py's (measured ~
 class FusedReader:
     """The sparse outputs of one OrtLM's body runs (not thread-safe: one per SparseLM)."""
 
-    def __init__(self, body_lm, k: int, vocab_size: int) -> None:
+    def __init__(self, body_lm, k: int, vocab_size: int, native: bool = False) -> None:
         self.body, self.K, self.V = body_lm, k, vocab_size
+        self.native = native  # the outputs come from native.py, not the graph: the graph's step is switched off
         self.B = 0
-        self.ids = self.logits = self.bar = None
+        self.ids = self.logits = self.bar = self.read = None
         self.rows = np.empty((0, vocab_size), dtype=np.float32)  # the returned rows: -inf but at the last ids
         self._written: list[np.ndarray | None] = []  # per row: the ids written last step (None: the whole row)
 
@@ -39,12 +41,16 @@ class FusedReader:
         b = self.body.binding
         if b is None:
             return False
+        if self.native:  # the body graph's own step is switched off (read by address at every run)
+            self.body.switches[STEP_INPUT][...] = False
         if B != self.B:
             self.ids = np.zeros((B, self.K), dtype=np.int64)
             self.logits = np.empty((B, self.K), dtype=np.float64)
             self.bar = np.empty((B, 1), dtype=np.float64)
+            self.read = np.full(B, self.K, dtype=np.int32)  # exact rows per row (native.py writes more)
             for name, arr in ((IDS, self.ids), (LOGITS, self.logits), (BAR, self.bar)):
-                b.bind_output(name, "cpu", 0, arr.dtype.type, list(arr.shape), arr.ctypes.data)
+                if not self.native:
+                    b.bind_output(name, "cpu", 0, arr.dtype.type, list(arr.shape), arr.ctypes.data)
             self.rows = np.full((B, self.V), -np.inf, dtype=np.float32)
             self._written = [None] * B
             self.B = B

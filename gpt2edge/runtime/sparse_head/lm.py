@@ -28,6 +28,7 @@ from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options
 from gpt2edge.runtime.sparse_head.body import BodyGraph, BodyLM
 from gpt2edge.runtime.sparse_head.exact import TIE, HeadKernel
 from gpt2edge.runtime.sparse_head.fused import FUSED_TOL, IDS, FusedReader
+from gpt2edge.runtime.sparse_head.native import LIBRARY, STEP_INPUT, NativeStep, load_step_arrays
 from gpt2edge.runtime.sparse_head.policy import sparse_k
 from gpt2edge.runtime.sparse_head.record import FIX, SparseHeadInfo, load_table
 
@@ -91,14 +92,20 @@ class SparseGraph(BodyGraph):
         self.bound = create_session(self.bound_path, device=device, threads=1)
         self.run_options = quiet_run_options()
         d = folder.dims
-        self.table = load_table(resolve_inside(folder.path, rec.table_file), rec, d.vocab_size, d.n_embd)
+        self.table_path = resolve_inside(folder.path, rec.table_file)
+        self.table = load_table(self.table_path, rec, d.vocab_size, d.n_embd)
         self.max_rows = max(min(MIN_ROWS, d.vocab_size), int(max_fraction * d.vocab_size))
         self.stats = SparseStats()
         self._lock = threading.Lock()
         self.certify = self._self_check()
-        # K when the body graph computes the certified step itself (fused.py), after its own check
+        # K when the body graph computes the certified step itself (fused.py), after its own check; the step runs
+        # natively (native.py) where the library is built and the graph can skip its own
         outputs = {o.name for o in body.session.get_outputs()}
         self.fused_k = rec.candidates if rec.candidates and IDS in outputs and self.certify else None
+        guarded = STEP_INPUT in body.switches
+        self.step_arrays = None
+        if self.fused_k and guarded and rec.groups and LIBRARY is not None:
+            self.step_arrays = load_step_arrays(self.table_path, d.vocab_size, d.n_embd, rec.rank)
         if self.fused_k and not self._check_fused():
             self.fused_k = None
 
@@ -155,6 +162,8 @@ class SparseGraph(BodyGraph):
         lm.start(1, 3)
         lm.fused.arm(1)
         h = lm.body.forward(ids, np.ones_like(ids), np.arange(3)[None])
+        if lm.native is not None:
+            lm.native.certify(h, lm.fused.ids, lm.fused.logits, lm.fused.bar, lm.fused.read)
         kernel = HeadKernel(self.table, self.rec.kind, self.folder.dims.n_embd)
         kernel.prepare(h[0])
         f, exact = lm.fused, kernel.full()
@@ -164,6 +173,9 @@ class SparseGraph(BodyGraph):
                 f"another model, or edited); {FIX}."
             )
         err = float(np.abs(exact[f.ids[0]] - f.logits[0]).max())
+        if err > FUSED_TOL and lm.native is not None:  # the native step is off: the graph's own, checked again
+            self.step_arrays = None
+            return self._check_fused()
         if err > FUSED_TOL:
             warnings.warn(f"{self.folder.path}: the body graph's sparse logits are off the head's arithmetic by "
                           f"{err:.2g} (> {FUSED_TOL}); the sparse step runs in NumPy.", stacklevel=3)  # fmt: skip
@@ -195,7 +207,11 @@ class SparseLM(BodyLM):
     def __init__(self, graph: SparseGraph, io_binding: bool = True) -> None:
         super().__init__(graph, io_binding)
         self.kernel = HeadKernel(graph.table, graph.rec.kind, graph.folder.dims.n_embd)
-        self.fused = FusedReader(self.body, graph.fused_k, graph.vocab_size) if graph.fused_k else None
+        arrays = graph.step_arrays if graph.fused_k else None
+        self.native = None if arrays is None else NativeStep(graph.table, arrays, graph.rec.kind, graph.fused_k,
+                                                             graph.rec.groups)  # fmt: skip
+        self.fused = FusedReader(self.body, graph.fused_k, graph.vocab_size, self.native is not None) \
+            if graph.fused_k else None  # fmt: skip
         self.k: int | None = None
 
     def start(self, batch: int, length: int) -> None:
@@ -213,6 +229,8 @@ class SparseLM(BodyLM):
         h = self.body.forward(input_ids, attention_mask, position_ids, keep)
         if keep is not None:  # a last-position graph: keep is 1 (OrtLM refuses more)
             h = h[:, -1]
+        if fused and self.native is not None:
+            self.native.certify(h, self.fused.ids, self.fused.logits, self.fused.bar, self.fused.read)
         rows = self._head_fused(h) if fused else self._head(h)
         return rows if keep is None else rows[:, None]
 
@@ -220,14 +238,15 @@ class SparseLM(BodyLM):
         """(B, C) hidden -> (B, V) rows from the body graph's certified step; a row it cannot certify runs the
         full head (its log-probs)."""
         f, g = self.fused, self.graph
-        certified = 0
+        certified = read = 0
         for b in range(len(h)):
             if f.certified(b, self.k):
                 f.row(b)
                 certified += 1
+                read += int(f.read[b])
             else:
                 f.full_row(b, g.full_head(h[b : b + 1])[0])
-        g.count(steps=len(h), certified=certified, fallbacks=len(h) - certified, rows_read=certified * f.K)
+        g.count(steps=len(h), certified=certified, fallbacks=len(h) - certified, rows_read=read)
         return f.rows
 
     def _head(self, h: np.ndarray) -> np.ndarray:
