@@ -12,8 +12,9 @@ decode ms/token (median of the generate() medians) of each, the per-(round, prom
 range), whether every token matched, the
 fraction of steps certified and of head rows read. --random repeats the certification figures on a
 random-weight model of the same shape (flat distributions: nothing to certify). --breakdown first times a
-step's parts (full forward, the sparse body run with its fused certified step, the head graph, the sparse
-forward), teacher-forced over the greedy continuations.
+step's parts (full forward, the sparse body run, the native certified step, the head graph, the sparse
+forward), teacher-forced over the greedy continuations. GPT2EDGE_NATIVE=0 runs the body graph's own certified
+step instead of the native one (gpt2edge/runtime/sparse_head/native.py).
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ def forced(gen, ids: list[int], sparse: bool) -> tuple[float, list[int]]:
 
 def breakdown(full, sparse, tokens: int) -> dict[str, float]:
     """Per-step parts, teacher-forced over the prompts' greedy continuations (min and 25th percentile, ms):
-    the full folder's forward, the sparse folder's body run alone (blocks + the fused certified step), its
-    head graph alone (the fallback), and its whole configured forward (body + certificate check + rows)."""
+    the full folder's forward, the sparse folder's body run alone (the blocks, with the graph's own certified step
+    unless the native step runs), the native step (when built), its head graph alone (the fallback), and its whole
+    configured forward (body + step + certificate check + rows)."""
     import time
 
     import numpy as np
@@ -104,7 +106,8 @@ def breakdown(full, sparse, tokens: int) -> dict[str, float]:
 
     seqs = [full.tokenizer.encode(p) + full.generate(p, max_new_tokens=tokens, ignore_eos=True).token_ids
             for p in PROMPTS]  # fmt: skip
-    parts: dict[str, list[float]] = {"full forward": [], "sparse body run": [], "head graph": [], "sparse forward": []}
+    parts: dict[str, list[float]] = {"full forward": [], "sparse body run": [], "native step": [], "head graph": [],
+                                     "sparse forward": []}  # fmt: skip
 
     def clock(key, fn, *a):
         t0 = time.perf_counter()
@@ -123,9 +126,12 @@ def breakdown(full, sparse, tokens: int) -> dict[str, float]:
             clock("full forward", a.forward, *step)
             b.fused.arm(1)
             h = clock("sparse body run", b.body.forward, *step)
+            if b.native is not None:  # the body ran without its own step: the native one (native.py) does it
+                f = b.fused
+                clock("native step", b.native.certify, h, f.ids, f.logits, f.bar, f.read)
             clock("head graph", sparse.graph.full_head, h)
             clock("sparse forward", c.forward, *step)
-    return {f"{k} {q}": float(np.percentile(v, p)) for k, v in parts.items() for q, p in (("min", 0), ("p25", 25))}
+    return {f"{k} {q}": float(np.percentile(v, p)) for k, v in parts.items() if v for q, p in (("min", 0), ("p25", 25))}
 
 
 _HELD = []  # the lock file while --lock-once holds it for the whole timed part

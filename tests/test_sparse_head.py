@@ -94,11 +94,13 @@ def test_uncertified_steps_fall_back_and_are_counted(gens, monkeypatch, fused):
     """A step the bounds cannot certify runs the full head: still the parent's tokens, counted. Fused: no
     candidate clears a huge margin; NumPy path: no step may read a row."""
     import gpt2edge.runtime.sparse_head.fused as fused_mod
+    import gpt2edge.runtime.sparse_head.native as native_mod
 
     full, sparse = gens["concat", "int4"]
     monkeypatch.setattr(sparse.graph, "max_rows", 0)
     if fused:
-        monkeypatch.setattr(fused_mod, "TIE", 1e9)
+        monkeypatch.setattr(fused_mod, "TIE", 1e9)  # the graph's step's check
+        monkeypatch.setattr(native_mod, "TIE", 1e9)  # the native step's
     else:
         monkeypatch.setattr(sparse.graph, "fused_k", None)
     sparse.graph.reset_stats()

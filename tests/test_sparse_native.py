@@ -55,7 +55,8 @@ def _small_groups(parent, g):
 def test_native_step_is_exact(sparse_grid, tmp_path, key):
     """On random activations of several scales: without its extension the native step returns the graph's
     candidates, logits and bar; with it, its logits are exact.py's, its bar is above every row it did not return,
-    a certified step's best is the full head's argmax, and it certifies more steps than the graph's step."""
+    a certified step's best is the full head's argmax (its k best the full head's for top-k), and it certifies more
+    steps than the graph's step."""
     import onnx
 
     from gpt2edge.runtime.model.ort_session import create_session
@@ -71,7 +72,7 @@ def test_native_step_is_exact(sparse_grid, tmp_path, key):
     ext = native.NativeStep(g.table, arrays, g.rec.kind, 16, 4)
     kernel = HeadKernel(g.table, g.rec.kind, C)
     rng = np.random.default_rng(5)
-    counts = {"graph": 0, "extended": 0}
+    counts = {"graph": 0, "extended": 0, "top-3": 0}
     for scale in (0.5, 2.0, 8.0, 32.0):
         for _ in range(8):
             h = (rng.standard_normal((1, C)) * scale).astype(np.float32)
@@ -95,7 +96,15 @@ def test_native_step_is_exact(sparse_grid, tmp_path, key):
                     np.testing.assert_allclose(n_bar[0, 0], bar[0, 0], rtol=1e-5, atol=1e-5)
                 else:
                     assert read[0] >= 16
-    assert counts["extended"] > counts["graph"] > 0, counts
+            # top-k: the step reads on until the k-th best clears the bar; certified, the k best are the full head's
+            out = (np.zeros((1, 16), np.int64), np.zeros((1, 16)), np.zeros((1, 1)), np.zeros(1, np.int32))
+            ext.certify(h, *out, k=3)
+            top = np.sort(out[1][0])[::-1]
+            assert np.delete(exact, out[0][0]).max() <= out[2][0, 0]
+            if top[2] - TIE > max(out[2][0, 0], top[3]):
+                counts["top-3"] += 1
+                assert set(out[0][0][np.argsort(out[1][0])[-3:]]) == set(np.argsort(exact)[-3:])
+    assert counts["extended"] > counts["graph"] > 0 and counts["top-3"] > 0, counts
 
 
 @needs_library
@@ -164,3 +173,35 @@ def test_step_tables_are_checked(sparse_grid, tmp_path):
     np.savez(tmp_path / "range.npz", **out_of_range)
     with pytest.raises(ModelFolderError, match="malformed"):
         native.load_step_arrays(tmp_path / "range.npz", V, C, r)
+
+
+@needs_library
+def test_native_certificate_rules(sparse_grid):
+    """The native check (g2e_rows) takes the same decisions as FusedReader.certified: the margin over the runner-up
+    and the bar, NaN never certified, a repeated candidate never counted twice; and writes the rows the same way."""
+    from types import SimpleNamespace
+
+    g = Generator(sparse_grid["shared", "int8"][1]).graph
+    step = native.NativeStep(g.table, g.step_arrays, g.rec.kind, 4, 1)
+    V = 10
+    r = SimpleNamespace(V=V, ok=np.zeros(1, np.int8), rows=np.full((1, V), -np.inf, np.float32),
+                        last=np.zeros((1, 4), np.int64), last_ok=np.zeros(1, np.int8))  # fmt: skip
+
+    def check(ids, logits, bar, k):
+        r.ids, r.logits, r.bar = np.array([ids]), np.array([logits], dtype=float), np.array([[bar]], dtype=float)
+        step.rows(r, 1, k)
+        return bool(r.ok[0])
+
+    assert check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 3.0, 1)
+    np.testing.assert_array_equal(np.flatnonzero(np.isfinite(r.rows[0])), [3, 4, 5, 7])
+    assert r.rows[0, 3] == 0.0 and r.rows[0, 4] == -1.0
+    assert check([1, 2, 5, 7], [5.0, 4.0, 1.0, 0.5], 3.0, 1)  # the ids written before are reset
+    np.testing.assert_array_equal(np.flatnonzero(np.isfinite(r.rows[0])), [1, 2, 5, 7])
+    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 4.9995, 1)  # within TIE of the bar
+    assert not check([3, 4, 5, 7], [5.0, 4.9995, 1.0, 0.5], 3.0, 1)  # within TIE of the runner-up
+    assert not check([3, 3, 5, 7], [5.0, 5.0, 1.0, 0.5], 0.0, 1)  # the best twice: not above its runner-up
+    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], float("nan"), 1)
+    assert check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 0.0, 2)
+    assert not check([3, 3, 5, 7], [5.0, 5.0, 1.0, 0.5], 0.0, 2)  # the two best are one row
+    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 3.9995, 2)
+    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 0.0, 4)  # k must leave a runner-up among the K

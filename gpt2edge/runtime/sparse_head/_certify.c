@@ -14,6 +14,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__APPLE__)
@@ -206,19 +207,15 @@ static size_t extend_bytes(const g2e_tables *t) {
            4 * n + 4 * n + 4 * n + 64;
 }
 
-/* Step 5: every row whose upper bound reaches best - TIE gets its exact logit (the members of the selected groups
+/* Step 5: every row whose upper bound reaches best - TIE (the k-th best for top-k) gets its exact logit (the members of the selected groups
    not yet read, and those of the groups left out whose group bound reaches it), unless there are more than the
    budgets allow. Then the output is the K best of all the rows read, and the bar the largest upper bound of any
    row not read, or the largest logit read but left out: both below best - TIE when it worked. Leaves the outputs
    as they are when the best already clears the bar (or the bar is NaN), or a budget is exceeded. Returns the
    rows it read. */
-static int extend(const g2e_tables *t, const step_state *st, int64_t *ids, double *logits, double *bar,
+static int extend(const g2e_tables *t, const step_state *st, int k, int64_t *ids, double *logits, double *bar,
                   uint8_t *work) {
     const int G = t->G, S = t->S, m = t->m, K = t->K, r = t->r, XR = t->extra_rows, XG = t->extra_groups;
-    double best = logits[0];
-    for (int i = 1; i < K; i++) best = logits[i] > best ? logits[i] : best;
-    if (!(best - t->tie <= *bar)) return 0;
-    const double thr = best - t->tie - st->hmu - st->slack;  /* relative bounds below this cannot reach it */
     uint8_t *gmask = work, *cmask = gmask + align8(G);
     int32_t *xg = (int32_t *)(cmask + align8((size_t)m * S));
     float *xmub = (float *)((uint8_t *)xg + align8(4 * (size_t)XG));
@@ -226,6 +223,18 @@ static int extend(const g2e_tables *t, const step_state *st, int64_t *ids, doubl
     double *xlog = (double *)(xid + XR + K);
     int32_t *sel = (int32_t *)(xlog + XR + K);
     float *vals = (float *)(sel + XR + K), *copy = vals + XR + K;
+    /* the k-th best candidate's logit (k = 1: the best): the one that must clear the bar */
+    double kth = logits[0];
+    if (k <= 1) {
+        for (int i = 1; i < K; i++) kth = logits[i] > kth ? logits[i] : kth;
+    } else {
+        for (int i = 0; i < K; i++) vals[i] = (float)logits[i];
+        select_top(vals, sel, copy, K, k);  /* float order: only where to stop reading; the bar stays exact */
+        kth = logits[sel[0]];
+        for (int i = 1; i < k; i++) kth = logits[sel[i]] < kth ? logits[sel[i]] : kth;
+    }
+    if (!(kth - t->tie <= *bar)) return 0;
+    const double thr = kth - t->tie - st->hmu - st->slack;  /* relative bounds below this cannot reach it */
     memset(gmask, 0, G);
     memset(cmask, 0, (size_t)m * S);
     for (int i = 0; i < m; i++) gmask[st->gsel[i]] = 1;
@@ -292,7 +301,7 @@ int64_t g2e_scratch_floats(const g2e_tables *t) {
 }
 
 /* One row: h (C,) -> ids (K,), logits (K,), bar (1,). Returns the exact rows it computed. */
-HOT static int certify_row(const g2e_tables *t, const float *h, int64_t *ids, double *logits, double *bar,
+HOT static int certify_row(const g2e_tables *t, const float *h, int k, int64_t *ids, double *logits, double *bar,
                            float *work) {
     const int C = t->C, r = t->r, rg = t->rg, G = t->G, S = t->S, m = t->m, K = t->K;
     const int padded = t->kb * t->bs > C ? t->kb * t->bs : C;
@@ -380,14 +389,81 @@ HOT static int certify_row(const g2e_tables *t, const float *h, int64_t *ids, do
     if (t->extra_rows <= 0) return K;
     const step_state st = {he, qa, qsum, sa, x, gb, gsel, mub, msel, hmu, slack};
     const uintptr_t end = (uintptr_t)(tmp + (G > m * S ? G : m * S));
-    return K + extend(t, &st, ids, logits, bar, (uint8_t *)((end + 7) & ~(uintptr_t)7));  /* 8-byte aligned */
+    return K + extend(t, &st, k, ids, logits, bar, (uint8_t *)((end + 7) & ~(uintptr_t)7));  /* 8-byte aligned */
 }
 
-/* B rows: h (B, C) -> ids (B, K), logits (B, K), bar (B, 1), and the exact rows each computed: read (B,). */
-int g2e_certify(const g2e_tables *t, const float *h, int32_t B, int64_t *ids, double *logits, double *bar,
+/* B rows: h (B, C) -> ids (B, K), logits (B, K), bar (B, 1), and the exact rows each computed: read (B,). k: how
+   many of the best the caller needs apart from the rest (1: greedy; top-k sampling: k <= K - 1). */
+int g2e_certify(const g2e_tables *t, const float *h, int32_t B, int32_t k, int64_t *ids, double *logits, double *bar,
                 int32_t *read, float *work) {
+    if (k < 1 || k >= t->K) k = 1;
     for (int b = 0; b < B; b++)
-        read[b] = certify_row(t, h + (int64_t)b * t->C, ids + (int64_t)b * t->K, logits + (int64_t)b * t->K, bar + b,
-                              work);
+        read[b] = certify_row(t, h + (int64_t)b * t->C, k, ids + (int64_t)b * t->K, logits + (int64_t)b * t->K,
+                              bar + b, work);
+    return 0;
+}
+
+static int cmp_i64(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* After g2e_certify, the runtime's check and rows (fused.py's FusedReader.certified and row, in one call): row b
+   is certified (ok[b] = 1) when its k best candidates are k distinct rows whose least logit beats the bar and the
+   (k+1)-th candidate by more than tie; then rows[b] (V,) gets -inf but at the candidates, their logits shifted so
+   the best is 0 (only the ids written last time, last[b], are reset; last_ok[b] = 0: the whole row). Uncertified
+   rows are left to the caller (the full head). scratch: 2 K floats and K ints. */
+int g2e_rows(int32_t B, int32_t K, int64_t V, int32_t k, double tie, const int64_t *ids, const double *logits,
+             const double *bar, int8_t *ok, float *rows, int64_t *last, int8_t *last_ok, float *scratch) {
+    float *vals = scratch, *copy = scratch + K;
+    int32_t *sel = (int32_t *)(scratch + 2 * K);
+    for (int b = 0; b < B; b++) {
+        const int64_t *id = ids + (int64_t)b * K;
+        const double *ex = logits + (int64_t)b * K;
+        const double br = bar[b];
+        int good = 0;
+        if (br == br && k >= 1 && k < K) {
+            if (k == 1) {
+                int j = 0;
+                for (int i = 1; i < K; i++) j = ex[i] > ex[j] ? i : j;
+                double second = -INFINITY;
+                for (int i = 0; i < K; i++)
+                    if (i != j && ex[i] > second) second = ex[i];
+                good = ex[j] - tie > br && ex[j] - tie > second;
+            } else {
+                for (int i = 0; i < K; i++) vals[i] = (float)ex[i];
+                select_top(vals, sel, copy, K, k);  /* float order; the rule below is on the doubles */
+                double kth = INFINITY, next = -INFINITY;
+                for (int i = 0; i < k; i++) {
+                    kth = ex[sel[i]] < kth ? ex[sel[i]] : kth;
+                    vals[sel[i]] = NAN;
+                }
+                for (int i = 0; i < K; i++)
+                    if (vals[i] == vals[i] && ex[i] > next) next = ex[i];
+                int distinct = k <= 256;  /* MAX_TOP_K is 100 */
+                int64_t keep[256];
+                if (distinct) {
+                    for (int i = 0; i < k; i++) keep[i] = id[sel[i]];
+                    qsort(keep, k, sizeof(int64_t), cmp_i64);
+                    for (int i = 1; i < k; i++) distinct &= keep[i] != keep[i - 1];
+                }
+                good = distinct && kth - tie > br && kth - tie > next;
+            }
+        }
+        ok[b] = (int8_t)good;
+        if (!good) continue;
+        float *out = rows + (int64_t)b * V;
+        int64_t *prev = last + (int64_t)b * K;
+        if (last_ok[b]) {
+            for (int i = 0; i < K; i++) out[prev[i]] = -INFINITY;
+        } else {
+            for (int64_t v = 0; v < V; v++) out[v] = -INFINITY;
+        }
+        double mx = ex[0];
+        for (int i = 1; i < K; i++) mx = ex[i] > mx ? ex[i] : mx;
+        for (int i = 0; i < K; i++) out[id[i]] = (float)(ex[i] - mx);
+        memcpy(prev, id, sizeof(int64_t) * K);
+        last_ok[b] = 1;
+    }
     return 0;
 }

@@ -31,6 +31,7 @@ class FusedReader:
         self.native = native  # the outputs come from native.py, not the graph: the graph's step is switched off
         self.B = 0
         self.ids = self.logits = self.bar = self.read = None
+        self.ok = self.last = self.last_ok = None
         self.rows = np.empty((0, vocab_size), dtype=np.float32)  # the returned rows: -inf but at the last ids
         self._written: list[np.ndarray | None] = []  # per row: the ids written last step (None: the whole row)
 
@@ -53,6 +54,10 @@ class FusedReader:
                     b.bind_output(name, "cpu", 0, arr.dtype.type, list(arr.shape), arr.ctypes.data)
             self.rows = np.full((B, self.V), -np.inf, dtype=np.float32)
             self._written = [None] * B
+            if self.native:  # native.py's rows(): its verdicts and the ids it wrote last (last_ok 0: unknown)
+                self.ok = np.zeros(B, dtype=np.int8)
+                self.last = np.zeros((B, self.K), dtype=np.int64)
+                self.last_ok = np.zeros(B, dtype=np.int8)
             self.B = B
         self.bar.fill(np.nan)
         return True
@@ -95,3 +100,5 @@ class FusedReader:
         """Row b gets the full head's log-probs (an uncertified row)."""
         self.rows[b] = logprobs
         self._written[b] = None
+        if self.last_ok is not None:
+            self.last_ok[b] = 0

@@ -230,7 +230,7 @@ class SparseLM(BodyLM):
         if keep is not None:  # a last-position graph: keep is 1 (OrtLM refuses more)
             h = h[:, -1]
         if fused and self.native is not None:
-            self.native.certify(h, self.fused.ids, self.fused.logits, self.fused.bar, self.fused.read)
+            self.native.certify(h, self.fused.ids, self.fused.logits, self.fused.bar, self.fused.read, self.k)
         rows = self._head_fused(h) if fused else self._head(h)
         return rows if keep is None else rows[:, None]
 
@@ -239,9 +239,12 @@ class SparseLM(BodyLM):
         full head (its log-probs)."""
         f, g = self.fused, self.graph
         certified = read = 0
+        if self.native is not None:  # the check and the rows in the native call too
+            self.native.rows(f, len(h), self.k)
         for b in range(len(h)):
-            if f.certified(b, self.k):
-                f.row(b)
+            if f.ok[b] if self.native is not None else f.certified(b, self.k):
+                if self.native is None:
+                    f.row(b)
                 certified += 1
                 read += int(f.read[b])
             else:
