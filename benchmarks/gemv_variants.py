@@ -1,0 +1,321 @@
+"""fp32 GEMV variants at gpt2-xl's shape: does any standard ONNX op, weight layout or session option make ONNX
+Runtime's batch-1 fp32 matmul stream its weights faster?
+
+    python benchmarks/gemv_variants.py build DIR [--layers 24]        # weights + one graph per op (unlocked)
+    flock /tmp/bench.lock chrt -f 10 python benchmarks/gemv_variants.py run DIR --round 1 [--reverse] \\
+        [--llama-gguf /work/peers/scale/gpt2-xl-f32.gguf]                  # one round, ~2 min, JSON in DIR
+    python benchmarks/gemv_variants.py summary DIR                    # the table over every round in DIR
+
+`build` writes `--layers` pairs of xl MLP matmuls ([1,1600]x[1600,6400] then [1,6400]x[6400,1600], seeded
+random weights scaled by 1/sqrt(K), ~82 MB a pair: 24 pairs = 1.97 GB, 60x the 32 MB L3, so every run
+streams them from DRAM) twice, row-major [K,N] and transposed [N,K], into two external-data files that every
+graph shares, and the float64 reference output of the chain. Each graph is a chain of one op kind (MatMul,
+Gemm, Gemm transB=1, MatMul over a folded Transpose, com.microsoft FusedMatMul transB=1, N split into two
+Gemms + Concat, Einsum). `run` times each variant (graph x session options) in a fresh process (ONNX
+Runtime's spinning pools of separate sessions would slow each other): 3 warm-up runs, then up to 25 runs or
+4 s, median and min, GB/s = weight bytes / median, and the output's max error relative to max |reference|.
+References in the same round: NumPy's OpenBLAS sgemv over the transposed weights (row dot products, like
+llama.cpp's F32 path), the `gpt2edge bench` read-bandwidth probe, and `llama-bench -p 0 -n 32 -t 2` on the
+xl F32 GGUF (GB/s from the manifest's 6.22 GB read per decode step, an upper bound: llama.cpp's step also
+reads the KV cache). `--reverse` runs the list backwards, so rounds go A B B A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+C, INNER = 1600, 6400  # gpt2-xl: n_embd, MLP width
+XL_DECODE_BYTES = 6_223_891_272  # /work/scale/xl-fp32 manifest: weights one decode step reads
+FILES = {"kn": "w_kn.bin", "nk": "w_nk.bin"}  # [K, N] row-major and its transpose [N, K]
+
+
+@dataclass(frozen=True)
+class Variant:
+    graph: str  # which graph file (op kind and weight layout)
+    config: tuple[tuple[str, str], ...] = ()  # session config entries
+    threads: int = 2
+    level: str = "all"  # graph optimization level
+    parallel: bool = False  # ORT_PARALLEL executor, inter-op 2, intra-op 1
+    pin_main: bool = False  # pin the calling thread to CPU 0 (ORT pins only its workers)
+    note: str = ""
+
+
+NOPACK = (("session.disable_prepacking", "1"),)
+VARIANTS: dict[str, Variant] = {
+    "matmul": Variant("matmul", note="MatMul, B [K,N], prepacked (what export emits)"),
+    "matmul-noprepack": Variant("matmul", NOPACK, note="MatMul, no prepacking (MLAS M=1 kernel)"),
+    "matmul-nospin": Variant("matmul", (("session.intra_op.allow_spinning", "0"),), note="MatMul, no spinning"),
+    "matmul-affinity": Variant(
+        "matmul", (("session.intra_op_thread_affinities", "2"),), pin_main=True, note="MatMul, threads pinned 0/1"
+    ),
+    "matmul-extended": Variant("matmul", level="extended", note="MatMul, ORT_ENABLE_EXTENDED"),
+    "matmul-1thread": Variant("matmul", threads=1, note="MatMul, 1 intra-op thread"),
+    "gemm": Variant("gemm", note="Gemm, B [K,N]"),
+    "gemm-tb": Variant("gemm_tb", note="Gemm transB=1, B [N,K]"),
+    "gemm-tb-noprepack": Variant("gemm_tb", NOPACK, note="Gemm transB=1, no prepacking (M=1 transB kernel)"),
+    "matmul-transpose": Variant("matmul_tr", note="MatMul(x, Transpose(B [N,K])), folded"),
+    "fused-tb": Variant("fused_tb", note="FusedMatMul transB=1, B [N,K]"),
+    "fused-tb-noprepack": Variant("fused_tb", NOPACK, note="FusedMatMul transB=1, no prepacking"),
+    "split2": Variant("split2", note="N in two halves: 2 Gemm transB=1 + Concat"),
+    "split2-parallel": Variant("split2", parallel=True, note="the same, ORT_PARALLEL, inter-op 2 x intra-op 1"),
+    "einsum": Variant("einsum", note="Einsum bk,nk->bn, B [N,K]"),
+    "numpy-sgemv": Variant("numpy", note="reference: NumPy OpenBLAS sgemv over B [N,K], 2 threads"),
+}
+
+
+def layer_shapes(layers: int) -> list[tuple[int, int]]:
+    """(K, N) of each matmul in the chain: the xl MLP's fc then proj, `layers` times."""
+    return [(C, INNER), (INNER, C)] * layers
+
+
+def build(root: Path, layers: int, seed: int = 0) -> None:
+    """Both weight files, every graph, and io.npz (input, float64 reference output)."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, C)).astype(np.float32)
+    y = x.astype(np.float64)
+    with open(root / FILES["kn"], "wb") as fkn, open(root / FILES["nk"], "wb") as fnk:
+        for K, N in layer_shapes(layers):
+            w = rng.standard_normal((K, N), dtype=np.float32) / np.float32(np.sqrt(K))  # keeps |y| ~ |x|
+            fkn.write(w.tobytes())
+            fnk.write(np.ascontiguousarray(w.T).tobytes())
+            y = y @ w.astype(np.float64)
+    np.savez(root / "io.npz", x=x, ref=y)
+    for graph in sorted({v.graph for v in VARIANTS.values()} - {"numpy"}):
+        (root / f"{graph}.onnx").write_bytes(build_graph(graph, layers).SerializeToString())
+    print(f"built {root}: {layers} pairs, {sum(K * N for K, N in layer_shapes(layers)) * 4 / 1e9:.2f} GB a file")
+
+
+def _external(name: str, layout: str, shape: tuple[int, int], offset: int):
+    """An initializer whose data lies in the shared weight file `layout` at `offset` (4 KB-aligned here)."""
+    from onnx import TensorProto
+
+    t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=list(shape))
+    t.data_location = TensorProto.EXTERNAL
+    length = shape[0] * shape[1] * 4
+    for key, value in (("location", FILES[layout]), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
+    return t
+
+
+def build_graph(graph: str, layers: int):
+    """The chain of `layers` fc/proj pairs as one ONNX model using `graph`'s op and weight layout."""
+    from onnx import TensorProto, helper
+
+    nodes, inits, x, offset = [], [], "x", 0
+    for i, (K, N) in enumerate(layer_shapes(layers)):
+        w, y = f"w{i}", f"y{i}"
+        if graph in ("matmul", "gemm"):
+            inits.append(_external(w, "kn", (K, N), offset))
+            nodes.append(helper.make_node("MatMul" if graph == "matmul" else "Gemm", [x, w], [y]))
+        elif graph == "gemm_tb":
+            inits.append(_external(w, "nk", (N, K), offset))
+            nodes.append(helper.make_node("Gemm", [x, w], [y], transB=1))
+        elif graph == "fused_tb":
+            inits.append(_external(w, "nk", (N, K), offset))
+            nodes.append(helper.make_node("FusedMatMul", [x, w], [y], domain="com.microsoft", transB=1))
+        elif graph == "matmul_tr":
+            inits.append(_external(w, "nk", (N, K), offset))
+            nodes.append(helper.make_node("Transpose", [w], [f"{w}.t"], perm=[1, 0]))
+            nodes.append(helper.make_node("MatMul", [x, f"{w}.t"], [y]))
+        elif graph == "split2":  # rows of B [N,K] are contiguous: each half is one slice of the file
+            half = N // 2
+            for h in range(2):
+                inits.append(_external(f"{w}.{h}", "nk", (half, K), offset + h * half * K * 4))
+                nodes.append(helper.make_node("Gemm", [x, f"{w}.{h}"], [f"{y}.{h}"], transB=1))
+            nodes.append(helper.make_node("Concat", [f"{y}.0", f"{y}.1"], [y], axis=1))
+        elif graph == "einsum":
+            inits.append(_external(w, "nk", (N, K), offset))
+            nodes.append(helper.make_node("Einsum", [x, w], [y], equation="bk,nk->bn"))
+        else:
+            raise ValueError(f"unknown graph {graph!r}")
+        x, offset = y, offset + K * N * 4
+    g = helper.make_graph(
+        nodes,
+        graph,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, C])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, C])],
+        inits,
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+
+
+def _time(fn, warmup: int = 3, repeat: int = 25, budget_s: float = 4.0) -> tuple[list[float], np.ndarray]:
+    """Seconds of each timed call of fn after `warmup` untimed ones, and its last output."""
+    for _ in range(warmup):
+        out = fn()
+    times, start = [], time.perf_counter()
+    while len(times) < repeat and (len(times) < 5 or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def _numpy_runner(root: Path, layers: int, x: np.ndarray):
+    """Row dot products over B [N,K] held in malloc'd memory (OpenBLAS sgemv, threads from the environment)."""
+    flat = np.fromfile(root / FILES["nk"], dtype=np.float32)
+    mats, offset = [], 0
+    for K, N in layer_shapes(layers):
+        mats.append(flat[offset : offset + K * N].reshape(N, K))
+        offset += K * N
+
+    def run() -> np.ndarray:
+        y = x[0]
+        for m in mats:
+            y = m @ y  # (N,)
+        return y[None]
+
+    return run
+
+
+def _ort_runner(root: Path, name: str, v: Variant, x: np.ndarray):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1 if v.parallel else v.threads
+    if v.parallel:
+        opts.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+        opts.inter_op_num_threads = 2
+    opts.graph_optimization_level = {
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    }[v.level]
+    for key, value in v.config:
+        opts.add_session_config_entry(key, value)
+    if v.pin_main:
+        os.sched_setaffinity(0, {0})
+    sess = ort.InferenceSession(str(root / f"{v.graph}.onnx"), opts, providers=["CPUExecutionProvider"])
+    return lambda: sess.run(None, {"x": x})[0]
+
+
+def child(root: Path, name: str) -> dict:
+    """One variant in this (fresh) process: load, time, check the output."""
+    v = VARIANTS[name]
+    io = np.load(root / "io.npz")
+    x, ref = io["x"], io["ref"]
+    layers = int(json.loads((root / "meta.json").read_text())["layers"])
+    t0 = time.perf_counter()
+    fn = _numpy_runner(root, layers, x) if v.graph == "numpy" else _ort_runner(root, name, v, x)
+    load_s = time.perf_counter() - t0
+    times, out = _time(fn)
+    nbytes = sum(K * N for K, N in layer_shapes(layers)) * 4
+    med = statistics.median(times)
+    return {
+        "variant": name,
+        "note": v.note,
+        "median_ms": med * 1e3,
+        "min_ms": min(times) * 1e3,
+        "runs": len(times),
+        "gbs": nbytes / med / 1e9,
+        "load_s": load_s,
+        "rel_err": float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))),
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+    }
+
+
+def llama_bench(binary: Path, gguf: Path, threads: int) -> dict:
+    """llama-bench tg32 (batch 1): ms per token, and GB/s if a step reads the xl manifest's weight bytes."""
+    cmd = [str(binary), "-m", str(gguf), "-p", "0", "-n", "32", "-t", str(threads), "-r", "2", "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    ms = 1e3 / rows[0]["avg_ts"]
+    return {"variant": "llama.cpp-F32", "note": f"llama-bench {gguf.name} -p 0 -n 32 -t {threads} -r 2",
+            "median_ms": ms, "gbs": XL_DECODE_BYTES / (ms / 1e3) / 1e9}
+
+
+def run_round(root: Path, rnd: int, reverse: bool, names: list[str], llama: tuple[Path, Path] | None) -> None:
+    from gpt2edge.bench.probe import read_bandwidth_gbs
+
+    order = names + (["llama.cpp-F32"] if llama else [])
+    order = order[::-1] if reverse else order
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="2", OMP_NUM_THREADS="2")
+    rows, probes = [], [read_bandwidth_gbs(2)]
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for name in order:
+        if name == "llama.cpp-F32":
+            rows.append(llama_bench(*llama, threads=2))
+        else:
+            cmd = [sys.executable, __file__, "child", str(root), name]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if out.returncode != 0:
+                rows.append({"variant": name, "error": out.stderr.strip().splitlines()[-1:]})
+            else:
+                rows.append(json.loads(out.stdout))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    probes.append(read_bandwidth_gbs(2))
+    result = {"round": rnd, "reverse": reverse, "started": started, "loadavg": os.getloadavg(),
+              "probe_gbs": probes, "rows": rows}
+    (root / f"round-{rnd}.json").write_text(json.dumps(result, indent=1))
+
+
+def summary(root: Path) -> None:
+    """Per variant over the rounds: GB/s median, time vs the same round's MatMul (median [range]), best ms."""
+    rounds = [json.loads(p.read_text()) for p in sorted(root.glob("round-*.json"))]
+    by: dict[str, list[tuple[dict, float]]] = {}
+    for r in rounds:
+        rows = {row["variant"]: row for row in r["rows"]}
+        base = rows["matmul"]["median_ms"]
+        for name, row in rows.items():
+            if "median_ms" in row:
+                by.setdefault(name, []).append((row, row["median_ms"] / base))
+    probes = [p for r in rounds for p in r["probe_gbs"]]
+    print(f"{len(rounds)} rounds; read probe {min(probes):.1f}..{max(probes):.1f} GB/s; load averages "
+          + ", ".join(f"{r['loadavg'][0]:.2f}" for r in rounds))
+    print("| variant | GB/s (median) | median ms [range] | best ms | x MatMul time, median [range] | max rel. err |")
+    print("|---|---|---|---|---|---|")
+    for name, got in sorted(by.items(), key=lambda kv: statistics.median(x for _, x in kv[1])):
+        meds = [row["median_ms"] for row, _ in got]
+        ratios = [x for _, x in got]
+        best = min(row.get("min_ms", row["median_ms"]) for row, _ in got)
+        errs = [row["rel_err"] for row, _ in got if "rel_err" in row]
+        err = f"{max(errs):.1e}" if errs else "n/a"
+        print(f"| {name} | {statistics.median(row['gbs'] for row, _ in got):.1f} | "
+              f"{statistics.median(meds):.1f} [{min(meds):.1f}..{max(meds):.1f}] | {best:.1f} | "
+              f"{statistics.median(ratios):.2f} [{min(ratios):.2f}..{max(ratios):.2f}] | {err} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("dir", type=Path)
+    b.add_argument("--layers", type=int, default=24)
+    r = sub.add_parser("run")
+    r.add_argument("dir", type=Path)
+    r.add_argument("--round", type=int, required=True)
+    r.add_argument("--reverse", action="store_true")
+    r.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    r.add_argument("--llama-bench", type=Path, default=Path("/work/peers/llama-build/bin/llama-bench"))
+    r.add_argument("--llama-gguf", type=Path, help="run llama-bench on this GGUF in the same round")
+    c = sub.add_parser("child")
+    c.add_argument("dir", type=Path)
+    c.add_argument("variant", choices=list(VARIANTS))
+    s = sub.add_parser("summary")
+    s.add_argument("dir", type=Path)
+    args = ap.parse_args()
+    if args.cmd == "build":
+        build(args.dir, args.layers)
+        (args.dir / "meta.json").write_text(json.dumps({"layers": args.layers}))
+    elif args.cmd == "run":
+        llama = (args.llama_bench, args.llama_gguf) if args.llama_gguf else None
+        run_round(args.dir, args.round, args.reverse, args.variants, llama)
+    elif args.cmd == "child":
+        print(json.dumps(child(args.dir, args.variant)))
+    else:
+        summary(args.dir)
+
+
+if __name__ == "__main__":
+    main()
