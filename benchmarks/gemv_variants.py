@@ -48,6 +48,7 @@ class Variant:
     level: str = "all"  # graph optimization level
     parallel: bool = False  # ORT_PARALLEL executor, inter-op 2, intra-op 1
     pin_main: bool = False  # pin the calling thread to CPU 0 (ORT pins only its workers)
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of the variant's process
     note: str = ""
 
 
@@ -61,6 +62,9 @@ VARIANTS: dict[str, Variant] = {
     ),
     "matmul-extended": Variant("matmul", level="extended", note="MatMul, ORT_ENABLE_EXTENDED"),
     "matmul-1thread": Variant("matmul", threads=1, note="MatMul, 1 intra-op thread"),
+    "matmul-hugetlb": Variant(
+        "matmul", env=(("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1"),), note="MatMul, glibc malloc in THP (env)"
+    ),
     "gemm": Variant("gemm", note="Gemm, B [K,N]"),
     "gemm-tb": Variant("gemm_tb", note="Gemm transB=1, B [N,K]"),
     "gemm-tb-noprepack": Variant("gemm_tb", NOPACK, note="Gemm transB=1, no prepacking (M=1 transB kernel)"),
@@ -223,7 +227,98 @@ def child(root: Path, name: str) -> dict:
         "load_s": load_s,
         "rel_err": float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))),
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "anon_huge_gb": anon_huge_gb(),
     }
+
+
+def anon_huge_gb() -> float | None:
+    """GB of this process's anonymous memory in transparent huge pages (Linux), else None."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return None
+
+
+def interleave(root: Path, names: list[str], cycles: int, gap_ms: float) -> dict:
+    """Several variants loaded in this one process, timed one run each in turn (A B C, then C B A, ...), with a
+    pause before each run so the previous variant's spinning threads park: on a host whose memory bandwidth
+    drifts over seconds (other tenants), the ratio within a cycle is what compares them, not separate rounds."""
+    io = np.load(root / "io.npz")
+    x, ref = io["x"], io["ref"]
+    layers = int(json.loads((root / "meta.json").read_text())["layers"])
+    runners = {}
+    for name in names:
+        v = VARIANTS[name]
+        runners[name] = _numpy_runner(root, layers, x) if v.graph == "numpy" else _ort_runner(root, name, v, x)
+    errs = {}
+    for name, fn in runners.items():
+        for _ in range(3):
+            out = fn()
+        errs[name] = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for c in range(cycles):
+        for name in names if c % 2 == 0 else names[::-1]:
+            time.sleep(gap_ms / 1e3)
+            t0 = time.perf_counter()
+            runners[name]()
+            times[name].append(time.perf_counter() - t0)
+    nbytes = sum(K * N for K, N in layer_shapes(layers)) * 4
+    base = names[0]
+    rows = []
+    for name in names:
+        ratios = sorted(t / b for t, b in zip(times[name], times[base]))
+        med = statistics.median(times[name])
+        rows.append({"variant": name, "median_ms": med * 1e3, "min_ms": min(times[name]) * 1e3,
+                     "gbs": nbytes / med / 1e9, "ratio_median": statistics.median(ratios),
+                     "ratio_q1": ratios[len(ratios) // 4], "ratio_q3": ratios[(3 * len(ratios)) // 4],
+                     "rel_err": errs[name]})
+    return {"base": base, "cycles": cycles, "gap_ms": gap_ms, "rows": rows,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}
+
+
+def profile(folder: Path, new_tokens: int, threads: int, prefix: Path) -> dict:
+    """Where a real folder's decode step goes: ONNX Runtime's profiler over one `gpt2edge bench`-style run
+    (prompt 128, `new_tokens` new, after an unprofiled-in-the-sum warm-up), node time summed by op type per
+    decode step, next to the step's wall time (the rest: the runtime's Python and the framework between
+    nodes). Profiling adds a timestamp per node, so the step is a little slower than in `bench`."""
+    import gc
+
+    import onnxruntime as ort
+
+    from gpt2edge.bench.workload import BenchConfig, Workload
+
+    original = ort.SessionOptions
+
+    def profiled() -> ort.SessionOptions:
+        opts = original()
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(prefix)
+        return opts
+
+    ort.SessionOptions = profiled  # only for this one-off process: create_session builds its options here
+    work = Workload(folder, BenchConfig(prompt_len=128, new_tokens=new_tokens, threads=threads))
+    ort.SessionOptions = original
+    work.run(128, new_tokens)  # warm-up
+    state = work.run(128, new_tokens)
+    files = [o.end_profiling() for o in gc.get_objects() if isinstance(o, ort.InferenceSession)]
+    events = json.loads(Path(files[0]).read_text())
+    runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
+    last = runs[-new_tokens:]  # the timed generation's runs: 1 prefill + new_tokens - 1 decode steps
+    decode = last[1:]
+    spans = [(r["ts"], r["ts"] + r["dur"]) for r in decode]
+    by_op: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            if any(a <= e["ts"] <= b for a, b in spans):
+                op = e["args"].get("op_name", "?")
+                by_op[op] = by_op.get(op, 0.0) + e["dur"] / 1e3 / len(decode)
+    return {"folder": str(folder), "decode_steps": len(decode),
+            "step_ms_wall": float(np.median(state.decode_ms)),
+            "model_run_ms": statistics.mean(r["dur"] / 1e3 for r in decode),
+            "op_ms_per_step": dict(sorted(by_op.items(), key=lambda kv: -kv[1]))}
 
 
 def llama_bench(binary: Path, gguf: Path, threads: int) -> dict:
@@ -235,7 +330,9 @@ def llama_bench(binary: Path, gguf: Path, threads: int) -> dict:
             "median_ms": ms, "gbs": XL_DECODE_BYTES / (ms / 1e3) / 1e9}
 
 
-def run_round(root: Path, rnd: int, reverse: bool, names: list[str], llama: tuple[Path, Path] | None) -> None:
+def run_round(
+    root: Path, rnd: int, reverse: bool, names: list[str], llama: tuple[Path, Path] | None, tag: str = "round"
+) -> None:
     from gpt2edge.bench.probe import read_bandwidth_gbs
 
     order = names + (["llama.cpp-F32"] if llama else [])
@@ -248,7 +345,7 @@ def run_round(root: Path, rnd: int, reverse: bool, names: list[str], llama: tupl
             rows.append(llama_bench(*llama, threads=2))
         else:
             cmd = [sys.executable, __file__, "child", str(root), name]
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            out = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, **dict(VARIANTS[name].env)))
             if out.returncode != 0:
                 rows.append({"variant": name, "error": out.stderr.strip().splitlines()[-1:]})
             else:
@@ -257,19 +354,18 @@ def run_round(root: Path, rnd: int, reverse: bool, names: list[str], llama: tupl
     probes.append(read_bandwidth_gbs(2))
     result = {"round": rnd, "reverse": reverse, "started": started, "loadavg": os.getloadavg(),
               "probe_gbs": probes, "rows": rows}
-    (root / f"round-{rnd}.json").write_text(json.dumps(result, indent=1))
+    (root / f"{tag}-{rnd}.json").write_text(json.dumps(result, indent=1))
 
 
-def summary(root: Path) -> None:
+def summary(root: Path, tag: str = "round") -> None:
     """Per variant over the rounds: GB/s median, time vs the same round's MatMul (median [range]), best ms."""
-    rounds = [json.loads(p.read_text()) for p in sorted(root.glob("round-*.json"))]
+    rounds = [json.loads(p.read_text()) for p in sorted(root.glob(f"{tag}-*.json"))]
     by: dict[str, list[tuple[dict, float]]] = {}
     for r in rounds:
-        rows = {row["variant"]: row for row in r["rows"]}
-        base = rows["matmul"]["median_ms"]
-        for name, row in rows.items():
-            if "median_ms" in row:
-                by.setdefault(name, []).append((row, row["median_ms"] / base))
+        rows = [row for row in r["rows"] if "median_ms" in row]  # a variant may run several times a round
+        base = statistics.median(row["median_ms"] for row in rows if row["variant"] == "matmul")
+        for row in rows:
+            by.setdefault(row["variant"], []).append((row, row["median_ms"] / base))
     probes = [p for r in rounds for p in r["probe_gbs"]]
     print(f"{len(rounds)} rounds; read probe {min(probes):.1f}..{max(probes):.1f} GB/s; load averages "
           + ", ".join(f"{r['loadavg'][0]:.2f}" for r in rounds))
@@ -296,25 +392,50 @@ def main() -> None:
     r.add_argument("dir", type=Path)
     r.add_argument("--round", type=int, required=True)
     r.add_argument("--reverse", action="store_true")
-    r.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    r.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="may repeat")
     r.add_argument("--llama-bench", type=Path, default=Path("/work/peers/llama-build/bin/llama-bench"))
     r.add_argument("--llama-gguf", type=Path, help="run llama-bench on this GGUF in the same round")
+    r.add_argument("--tag", default="round", help="the result is DIR/TAG-ROUND.json")
+    i = sub.add_parser("interleave", help="variants in one process, run by run (first = baseline)")
+    i.add_argument("dir", type=Path)
+    i.add_argument("variants", nargs="+", choices=list(VARIANTS))
+    i.add_argument("--cycles", type=int, default=40)
+    i.add_argument("--gap-ms", type=float, default=30.0)
+    i.add_argument("--out", type=Path)
+    f = sub.add_parser("profile", help="a real folder's decode step by op type (ONNX Runtime's profiler)")
+    f.add_argument("folder", type=Path)
+    f.add_argument("--new-tokens", type=int, default=16)
+    f.add_argument("--threads", type=int, default=2)
+    f.add_argument("--prefix", type=Path, default=Path("/tmp/gemv-profile"))
     c = sub.add_parser("child")
     c.add_argument("dir", type=Path)
     c.add_argument("variant", choices=list(VARIANTS))
     s = sub.add_parser("summary")
     s.add_argument("dir", type=Path)
+    s.add_argument("--tag", default="round")
     args = ap.parse_args()
     if args.cmd == "build":
         build(args.dir, args.layers)
         (args.dir / "meta.json").write_text(json.dumps({"layers": args.layers}))
     elif args.cmd == "run":
         llama = (args.llama_bench, args.llama_gguf) if args.llama_gguf else None
-        run_round(args.dir, args.round, args.reverse, args.variants, llama)
+        run_round(args.dir, args.round, args.reverse, args.variants, llama, args.tag)
+    elif args.cmd == "interleave":
+        result = interleave(args.dir, args.variants, args.cycles, args.gap_ms)
+        result.update(started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), loadavg=os.getloadavg())
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+        print(f"baseline {result['base']}, {args.cycles} cycles, load {result['loadavg'][0]:.2f}")
+        for r in result["rows"]:
+            print(f"{r['variant']:20s} {r['median_ms']:7.1f} ms (best {r['min_ms']:6.1f}) {r['gbs']:5.1f} GB/s  "
+                  f"x base {r['ratio_median']:.2f} [IQR {r['ratio_q1']:.2f}..{r['ratio_q3']:.2f}]  "
+                  f"err {r['rel_err']:.1e}")
+    elif args.cmd == "profile":
+        print(json.dumps(profile(args.folder, args.new_tokens, args.threads, args.prefix), indent=1))
     elif args.cmd == "child":
         print(json.dumps(child(args.dir, args.variant)))
     else:
-        summary(args.dir)
+        summary(args.dir, args.tag)
 
 
 if __name__ == "__main__":
