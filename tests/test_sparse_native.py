@@ -138,22 +138,29 @@ def test_outputs_are_checked(sparse_grid):
         step.certify(np.zeros((3, C), np.float32), *ok)  # more rows than the outputs hold
 
 
-def test_body_graph_skips_its_step_when_switched_off(sparse_grid):
-    """The sparse body's own step sits behind If(sparse_step): off, it returns the NaN placeholders (nothing of
-    the step runs); on, a real bar. OrtGraph feeds its bool inputs True unless a caller switches them off."""
-    from gpt2edge.runtime.sparse_head.fused import BAR, IDS
+def test_body_graph_switches(sparse_grid):
+    """The sparse body's own step sits behind If(sparse_step) and a copy of the full head behind
+    If(sparse_skip_head): the step off returns the NaN placeholders (nothing of it runs), on a real bar; the head
+    on returns the head graph's log-probs bit for bit, off a (1, 1) placeholder. OrtGraph feeds bool inputs True."""
+    from gpt2edge.runtime.sparse_head.fused import BAR, FULL_OUTPUT, HEAD_SWITCH, IDS, STEP_INPUT
 
     g = Generator(sparse_grid["concat", "int8"][1]).graph
     body = g.body
-    assert native.STEP_INPUT in body.switches
+    assert STEP_INPUT in body.switches and HEAD_SWITCH in body.switches
     feed = {"input_ids": np.array([[5, 6]]), "attention_mask": np.ones((1, 2), np.int64),
             "position_ids": np.array([[0, 1]])}  # fmt: skip
     past = np.zeros((1, body.n_head, 0, body.head_dim), np.float32)
     feed.update((name, past) for name in body.past_names)
-    on = body.session.run([IDS, BAR], {**feed, native.STEP_INPUT: np.array(True)})
-    off = body.session.run([IDS, BAR], {**feed, native.STEP_INPUT: np.array(False)})
-    assert np.isfinite(on[1]).all() and on[0].shape == (1, g.fused_k)
-    assert np.isnan(off[1]).all()
+
+    def run(step: bool, skip_head: bool):
+        flags = {STEP_INPUT: np.array(step), HEAD_SWITCH: np.array(skip_head)}
+        return body.session.run(["hidden", IDS, BAR, FULL_OUTPUT], {**feed, **flags})
+
+    h, ids, bar, lp = run(True, False)
+    assert np.isfinite(bar).all() and ids.shape == (1, g.fused_k)
+    np.testing.assert_array_equal(lp, g.full_head(h))  # the same nodes on the same weights
+    _, _, bar, lp = run(False, True)
+    assert np.isnan(bar).all() and lp.shape == (1, 1)
 
 
 def test_step_tables_are_checked(sparse_grid, tmp_path):

@@ -1,4 +1,5 @@
-"""The body graph's certified step behind `If(sparse_step)`, and the step's tables for the native path.
+"""The body graph's certified step behind `If(sparse_step)`, the full head behind `If(sparse_skip_head)`, and the
+step's tables for the native path.
 
 ONNX Runtime runs every node of a graph whatever outputs are fetched, so the fused step (fused.py) would cost its
 ~0.065 ms on every body run. Behind an If on a bool input (OrtGraph feeds its bool inputs True: switches), a
@@ -15,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from gpt2edge.runtime.sparse_head.native import STEP_INPUT
+from gpt2edge.runtime.sparse_head.fused import FULL_OUTPUT, HEAD_SWITCH, STEP_INPUT
 from gpt2edge.sparse.fused import BAR, IDS, LOGITS, OUTPUTS, Groups, P
 
 TYPES = {IDS: onnx.TensorProto.INT64, LOGITS: onnx.TensorProto.DOUBLE, BAR: onnx.TensorProto.DOUBLE}
@@ -45,6 +46,32 @@ def guard_step(body: onnx.ModelProto, first_node: int, k: int) -> None:
     g.input.append(helper.make_tensor_value_info(STEP_INPUT, onnx.TensorProto.BOOL, []))
     g.node.append(helper.make_node("If", [STEP_INPUT], list(OUTPUTS), name=f"{P}step", then_branch=then,
                                    else_branch=els))  # fmt: skip
+
+
+def guard_head(body: onnx.ModelProto, head: onnx.ModelProto) -> None:
+    """The parent's head (the head graph's nodes, reading `hidden`) into the body graph too, behind an If on the
+    new bool input HEAD_SWITCH: fed True (the default), the If returns a (1, 1) placeholder and no head node runs;
+    fed False, the body's run also returns the full head's log-probs as FULL_OUTPUT, computed by the body's own
+    thread pool (head.onnx is a second session on one thread: ~2x slower). In place; weights the body already
+    holds (a tied fp32 table) are not stored twice."""
+    g = body.graph
+    have = {i.name for i in g.initializer}
+    g.initializer.extend(i for i in head.graph.initializer if i.name not in have)
+    out = head.graph.output[0].name
+    inner = f"{P}full_{out}"
+    nodes = [onnx.NodeProto.FromString(n.SerializeToString()) for n in head.graph.node]
+    for n in nodes:
+        n.output[:] = [inner if o == out else o for o in n.output]
+    f32 = onnx.TensorProto.FLOAT
+    full = helper.make_graph(nodes, "sparse_full_head", [], [helper.make_tensor_value_info(inner, f32, None)])
+    g.initializer.append(numpy_helper.from_array(np.zeros((1, 1), dtype=np.float32), f"{P}none_{out}"))
+    placeholder = helper.make_node("Identity", [f"{P}none_{out}"], [f"{P}skip_{out}"], name=f"{P}skip_head")
+    skip = helper.make_graph([placeholder], "sparse_skip_head", [],
+                             [helper.make_tensor_value_info(f"{P}skip_{out}", f32, None)])  # fmt: skip
+    g.input.append(helper.make_tensor_value_info(HEAD_SWITCH, onnx.TensorProto.BOOL, []))
+    g.node.append(helper.make_node("If", [HEAD_SWITCH], [FULL_OUTPUT], name=f"{P}head", then_branch=skip,
+                                   else_branch=full))  # fmt: skip
+    g.output.append(helper.make_tensor_value_info(FULL_OUTPUT, f32, None))
 
 
 def step_arrays(bounds: dict[str, np.ndarray], groups: Groups, slack_scale: float) -> dict[str, np.ndarray]:

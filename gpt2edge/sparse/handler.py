@@ -74,7 +74,7 @@ def sparse_head(
     from gpt2edge.sparse.bounds import bound_table
     from gpt2edge.sparse.fused import GROUP_RANK, add_fused, candidates, group_rows, groups_for, slack_scale
     from gpt2edge.sparse.graph import bound_model, split_head
-    from gpt2edge.sparse.guard import guard_step, step_arrays
+    from gpt2edge.sparse.guard import guard_head, guard_step, step_arrays
 
     src, out = Path(src), Path(out)
     info = check_request(src, out, rank, candidates_k)
@@ -94,6 +94,7 @@ def sparse_head(
         first = len(body.graph.node)
         add_fused(body, table, bounds, groups, slack_scale(bounds), k, m)
         guard_step(body, first, k)  # skipped where the runtime runs the step natively (guard.py)
+        guard_head(body, head)  # the full head in the body's run, for the steps that need it
         step = step_arrays(bounds, groups, slack_scale(bounds))
         fused = {"candidates": k, "groups": m, "group_size": groups.size, "n_groups": len(groups.members)}
         bar.update()

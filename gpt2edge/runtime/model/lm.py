@@ -188,7 +188,7 @@ class OrtLM(CacheRows):
         """forward() before the trimmed head's mapping: (B, V) log-probs ((B, K) for a trimmed head)."""
         B, S = input_ids.shape
         n = self._check_keep(keep, S)
-        if self.shared and B > 1 and S > 1 and self.past_len > 0:
+        if self.runs_by_row(B, S):
             if keep is not None:
                 raise ValueError("keep= runs one row at a time on a shared-cache graph with a past")
             return self._forward_rows(input_ids, attention_mask, position_ids)
@@ -228,6 +228,10 @@ class OrtLM(CacheRows):
             return _rows(b.get_outputs()[0].numpy(), keep)
         # on CUDA only this (B, V) tensor crosses to the host each step; the cache stays on the device
         return _rows(lp if self.device == "cpu" else lp.numpy(), keep)
+
+    def runs_by_row(self, B: int, S: int) -> bool:
+        """Whether a step of B rows of S tokens runs row by row (_forward_rows), each on a binding of its own."""
+        return self.shared and B > 1 and S > 1 and self.past_len > 0
 
     def _check_keep(self, keep: int | None, S: int) -> int:
         """How many positions' log-probs this step returns (1 without keep); a last-position head has one."""

@@ -26,7 +26,6 @@ from gpt2edge.errors import ModelFolderError
 from gpt2edge.runtime.sparse_head.exact import TIE
 from gpt2edge.runtime.sparse_head.record import FIX, SparseTable
 
-STEP_INPUT = "sparse_step"  # the body graph's bool input guarding its own step (OrtGraph's switches feed True)
 STEP_ARRAYS = ("group_members", "group_table", "group_q", "member_rows", "slack_coef")
 # when the bar stops the best candidate, the step reads up to this many more rows (from up to this many more
 # groups) before the step is left to the full head: a few hundred rows (~10-30 us) against ~0.3 ms
