@@ -2,12 +2,14 @@
 
     python benchmarks/sparse_head.py [--model ../shared/trained-gpt2-py] [--work /tmp/sparse-bench]
                                      [--rounds 5] [--tokens 128] [--threads 2] [--rank 16] [--candidates 256]
-                                     [--workloads greedy,top-k 40,forced] [--breakdown] [--random] [--lock-once]
+                                     [--workloads greedy,top-k 40,top-p 0.9,forced] [--breakdown] [--random]
+                                     [--lock-once]
 
 Builds (once, under --work) the shared-cache fp32 export of --model, its int8 and int4 variants and the sparse
 head of each (`gpt2edge sparse-head`). Then, round by round (order alternating, each pair under
 `flock $BENCH_LOCK`), decodes each prompt with the full and the sparse folder, the order alternating per
-prompt and round: greedy and top-k 40 sampling (temperature 0.8, seeded). Prints per precision and workload:
+prompt and round: greedy, top-k 40 and top-p 0.9 sampling (temperature 0.8, seeded; top-p needs the full head
+every step). Prints per precision and workload:
 decode ms/token (median of the generate() medians) of each, the per-(round, prompt) ratio (median and
 range), whether every token matched, the
 fraction of steps certified and of head rows read. --random repeats the certification figures on a
@@ -37,6 +39,7 @@ PROMPTS = [
 WORKLOADS = {
     "greedy": dict(),
     "top-k 40": dict(do_sample=True, top_k=40, temperature=0.8, seed=7),
+    "top-p 0.9": dict(do_sample=True, top_p=0.9, temperature=0.8, seed=7),  # the full head every step
 }
 
 
@@ -200,7 +203,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--candidates", type=int, default=256, help="exact rows per step in the body graph")
     ap.add_argument("--breakdown", action="store_true", help="also time a step's parts (min and p25 of each)")
-    ap.add_argument("--workloads", default="greedy,top-k 40,forced", help="which of greedy, top-k 40, forced")
+    ap.add_argument("--workloads", default="greedy,top-k 40,top-p 0.9,forced",
+                    help="which of greedy, top-k 40, top-p 0.9, forced")  # fmt: skip
     ap.add_argument("--precisions", default="int8,int4")
     ap.add_argument("--random", action="store_true", help="also the random-weight model's certification figures")
     ap.add_argument("--json", action="store_true")

@@ -31,10 +31,10 @@ class FusedReader:
     def __init__(self, body_lm, k: int, vocab_size: int, native: bool = False) -> None:
         self.body, self.K, self.V = body_lm, k, vocab_size
         self.native = native  # the outputs come from native.py, not the graph: the graph's step is switched off
-        # the body graph holds the full head too (guard.py): its log-probs are the binding's output number _full
+        # the body graph holds the full head too (guard.py): switched on, its log-probs land in _full_buf
         self.head_in_graph = HEAD_SWITCH in getattr(body_lm, "switches", {}) and body_lm.binding is not None
-        self._full: int | None = None
-        self._bound = 0  # outputs this reader bound (a fresh binding: they come first, in this order)
+        self._full_buf = np.empty((0, vocab_size), dtype=np.float32)
+        self._full_mode: tuple[bool, int] | None = None  # how FULL_OUTPUT is bound: (on, B)
         self.B = 0
         self.ids = self.logits = self.bar = self.read = None
         self.ok = self.last = self.last_ok = None
@@ -58,10 +58,6 @@ class FusedReader:
             for name, arr in ((IDS, self.ids), (LOGITS, self.logits), (BAR, self.bar)):
                 if not self.native:
                     b.bind_output(name, "cpu", 0, arr.dtype.type, list(arr.shape), arr.ctypes.data)
-                    self._bound = max(self._bound, 3)
-            if self.head_in_graph and self._full is None:  # ORT allocates it: (B, V), or the (1, 1) placeholder
-                b.bind_output(FULL_OUTPUT, "cpu")
-                self._full, self._full_shape = self._bound, None
             self.rows = np.full((B, self.V), -np.inf, dtype=np.float32)
             self._written = [None] * B
             if self.native:  # native.py's rows(): its verdicts and the ids it wrote last (last_ok 0: unknown)
@@ -73,21 +69,24 @@ class FusedReader:
         return True
 
     def switch_head(self, full: bool, B: int) -> None:
-        """Before a body run: the body graph's full head on (its (B, V) log-probs) or off (a (1, 1) placeholder).
-        ORT keeps the output it allocated for the next runs, so it is re-bound (unallocated) when the shape changes."""
+        """Before a body run: the body graph's full head on, its (B, V) log-probs written into our buffer, or off
+        (ORT allocates the (1, 1) placeholder; a bound buffer of another shape would fail the run)."""
         self.body.switches[HEAD_SWITCH][...] = not full
-        shape = (B, self.V) if full else (1, 1)
-        if self._full is not None and shape != self._full_shape:
+        mode = (full, B if full else 0)
+        if mode == self._full_mode:
+            return
+        if full:
+            if len(self._full_buf) != B:
+                self._full_buf = np.empty((B, self.V), dtype=np.float32)
+            buf = self._full_buf
+            self.body.binding.bind_output(FULL_OUTPUT, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
+        else:
             self.body.binding.bind_output(FULL_OUTPUT, "cpu")
-            self._full_shape = shape
+        self._full_mode = mode
 
     def full_logprobs(self, B: int) -> np.ndarray | None:
-        """The (B, V) log-probs the body's last run computed with its full head switched on; None if it did not
-        (a row-by-row step runs on bindings of its own)."""
-        if self._full is None:
-            return None
-        lp = self.body.binding.get_outputs()[self._full].numpy()
-        return lp if lp.shape == (B, self.V) and lp.dtype == np.float32 else None
+        """The (B, V) log-probs of the body's last run, when switch_head put its full head on for B rows."""
+        return self._full_buf if self._full_mode == (True, B) else None
 
     def certified(self, b: int, k: int) -> bool:
         """Whether row b's k best tokens (in order) are its best candidates, by more than TIE. (A repeated
