@@ -30,9 +30,27 @@ def gens(sparse_grid) -> dict:
     return {key: (Generator(a), Generator(b)) for key, (a, b) in sparse_grid.items()}
 
 
+@pytest.fixture(scope="module")
+def gens_graph(sparse_grid, gens) -> dict:
+    """The same folders run with the body graph's own certified step (as without the native library)."""
+    import gpt2edge.runtime.sparse_head.lm as sparse_lm
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sparse_lm, "LIBRARY", None)
+        out = {key: (gens[key][0], Generator(b)) for key, (_, b) in sparse_grid.items()}
+    assert all(g.graph.step_arrays is None and g.graph.fused_k for _, g in out.values())
+    return out
+
+
+@pytest.fixture(params=["native", "graph"])
+def paths(request, gens, gens_graph) -> dict:
+    """gens, or gens_graph: a test run both ways."""
+    return gens if request.param == "native" else gens_graph
+
+
 @pytest.mark.parametrize("key", KINDS, ids=["-".join(k) for k in KINDS])
-def test_greedy_ids_identical(gens, key):
-    full, sparse = gens[key]
+def test_greedy_ids_identical(paths, key):
+    full, sparse = paths[key]
     assert sparse.graph.certify
     sparse.graph.reset_stats()
     n = 120  # long generations: up to the tiny model's 128 positions
@@ -69,9 +87,10 @@ def test_top_k_distribution_identical(gens, key):
     assert full.generate(PROMPTS[1], **kw).token_ids == sparse.generate(PROMPTS[1], **kw).token_ids
 
 
-def test_full_head_calls_are_the_parents(gens):
-    """Log-probs, top-p, beam search: the full head (the parent's head graph) every step, results as the parent's."""
-    full, sparse = gens["shared", "int8"]
+def test_full_head_calls_are_the_parents(paths):
+    """Log-probs, top-p, beam search: the full head (the body graph's copy of the parent's head) every step,
+    results as the parent's, bit for bit."""
+    full, sparse = paths["shared", "int8"]
     sparse.graph.reset_stats()
     a = full.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True, logprobs=2)
     b = sparse.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True, logprobs=2)

@@ -72,6 +72,10 @@ class FusedReader:
         """Before a body run: the body graph's full head on, its (B, V) log-probs written into our buffer, or off
         (ORT allocates the (1, 1) placeholder; a bound buffer of another shape would fail the run)."""
         self.body.switches[HEAD_SWITCH][...] = not full
+        if not self.native and STEP_INPUT in self.body.switches:
+            # the graph's own step is not read on a full-head step; its (1, K) placeholders fit the bound buffers
+            # only at B = 1 (so at B > 1 it runs anyway)
+            self.body.switches[STEP_INPUT][...] = not (full and B == 1)
         mode = (full, B if full else 0)
         if mode == self._full_mode:
             return
