@@ -14,6 +14,7 @@ import pytest
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.runtime.decoding.sampling import SamplingParams, softmax
 from gpt2edge.runtime.generator import Generator
+from gpt2edge.runtime.sparse_head import native
 
 PROMPTS = ["The river rose and", "A quiet"]
 KINDS = [(kv, p) for kv in ("concat", "shared") for p in ("fp32", "int8", "int4")]
@@ -162,8 +163,10 @@ def test_fused_step_matches_numpy(gens, monkeypatch, path):
         g = sparse.graph
         if path == "graph":
             monkeypatch.setattr(g, "step_arrays", None)
+        elif native.LIBRARY is None:
+            pytest.skip("the native step is not built (test_library_is_built_where_a_compiler_is says why)")
         else:
-            assert g.step_arrays is not None, "the native step is not built (pip install -e . builds it)"
+            assert g.step_arrays is not None
         lm = g.new_lm()
         assert (lm.native is not None) == (path == "native")
         lm.configure_head(SamplingParams())
