@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from sparse_cases import CERTIFICATE_CASES
 
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.runtime.decoding.sampling import SamplingParams, softmax
@@ -261,16 +262,6 @@ def test_fused_certificate_rules():
     r = FusedReader(SimpleNamespace(binding=None), 4, 10)
     assert not r.arm(1)  # no IO binding: the outputs are not fetched
 
-    def check(ids, logits, bar, k):
+    for ids, logits, bar, k, want in CERTIFICATE_CASES:
         r.ids, r.logits, r.bar = np.array([ids]), np.array([logits], dtype=float), np.array([[bar]], dtype=float)
-        return r.certified(0, k)
-
-    assert check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 3.0, 1)
-    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 4.9995, 1)  # within TIE of the bar
-    assert not check([3, 4, 5, 7], [5.0, 4.9995, 1.0, 0.5], 3.0, 1)  # within TIE of the runner-up
-    assert not check([3, 3, 5, 7], [5.0, 5.0, 1.0, 0.5], 0.0, 1)  # the best twice: not above its runner-up
-    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], float("nan"), 1)
-    assert check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 0.0, 2)
-    assert not check([3, 3, 5, 7], [5.0, 5.0, 1.0, 0.5], 0.0, 2)  # the two best are one row
-    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 3.9995, 2)
-    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 0.0, 4)  # k must leave a runner-up among the K
+        assert r.certified(0, k) == want, (ids, logits, bar, k)

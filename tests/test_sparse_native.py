@@ -10,6 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
+from sparse_cases import CERTIFICATE_CASES, ONE_TWO
 
 from gpt2edge.errors import ModelFolderError
 from gpt2edge.runtime.generator import Generator
@@ -202,16 +203,11 @@ def test_native_certificate_rules(sparse_grid):
         step.rows(r, 1, k)
         return bool(r.ok[0])
 
-    assert check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 3.0, 1)
+    for ids, logits, bar, k, want in CERTIFICATE_CASES:
+        assert check(ids, logits, bar, k) == want, (ids, logits, bar, k)
+    # the rows written: -inf but at the candidates, shifted so the best is 0; the ids written before are reset
+    assert check([3, 4, 5, 7], ONE_TWO, 3.0, 1)
     np.testing.assert_array_equal(np.flatnonzero(np.isfinite(r.rows[0])), [3, 4, 5, 7])
     assert r.rows[0, 3] == 0.0 and r.rows[0, 4] == -1.0
-    assert check([1, 2, 5, 7], [5.0, 4.0, 1.0, 0.5], 3.0, 1)  # the ids written before are reset
+    assert check([1, 2, 5, 7], ONE_TWO, 3.0, 1)
     np.testing.assert_array_equal(np.flatnonzero(np.isfinite(r.rows[0])), [1, 2, 5, 7])
-    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 4.9995, 1)  # within TIE of the bar
-    assert not check([3, 4, 5, 7], [5.0, 4.9995, 1.0, 0.5], 3.0, 1)  # within TIE of the runner-up
-    assert not check([3, 3, 5, 7], [5.0, 5.0, 1.0, 0.5], 0.0, 1)  # the best twice: not above its runner-up
-    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], float("nan"), 1)
-    assert check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 0.0, 2)
-    assert not check([3, 3, 5, 7], [5.0, 5.0, 1.0, 0.5], 0.0, 2)  # the two best are one row
-    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 3.9995, 2)
-    assert not check([3, 4, 5, 7], [5.0, 4.0, 1.0, 0.5], 0.0, 4)  # k must leave a runner-up among the K
