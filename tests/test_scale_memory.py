@@ -13,6 +13,7 @@ import gc
 import platform
 import subprocess
 import sys
+from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,8 @@ from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import load_graph
 from gpt2edge.runtime.model.mapped_graph import mapped_model
 from gpt2edge.runtime.model.ort_session import create_session, lean_options
+
+_Usage = namedtuple("_Usage", "total used free")  # shutil.disk_usage's record
 
 
 @pytest.fixture(scope="module")
@@ -264,3 +267,27 @@ def test_lean_session_maps_a_one_file_graph_and_computes_the_same(tiny_export, m
     monkeypatch.setattr(ort_session, "mapped_model", lambda path: None)  # loaded from the path, as before
     parsed = stream_logprobs(load_graph(folder, lean=True).new_lm(), tokens)
     np.testing.assert_array_equal(got, parsed)
+
+
+def test_report_spills_its_logprobs_and_gives_the_same_figures(tiny_export, fp16_folder, monkeypatch):
+    """The report's log-probs go to a scratch file as they are computed (no (T, V) array beside the variant's
+    session; gpt2-small: 51 MB per side) and each greedy run's freed heap is handed back before the next; where
+    the temp directory lacks room it keeps them in memory. Both ways give the same report."""
+    sinks, events = [], []
+    real_stream, real_greedy = quality.stream_logprobs, quality.greedy_continuation
+
+    def spy_stream(lm, tokens, sink=None):
+        sinks.append(sink)
+        return real_stream(lm, tokens, sink)
+
+    monkeypatch.setattr(quality, "stream_logprobs", spy_stream)
+    monkeypatch.setattr(quality, "greedy_continuation", lambda *a: events.append("greedy") or real_greedy(*a))
+    monkeypatch.setattr(quality, "return_free_memory", lambda: events.append("trim") or True)
+    spilled = compare_folders(tiny_export, fp16_folder, max_tokens=40)
+    assert len(sinks) == 2 and all(s is not None for s in sinks) and sinks[0] is sinks[1] and sinks[0].closed
+    assert events and events == ["greedy", "trim"] * (len(events) // 2)
+    sinks.clear()
+    monkeypatch.setattr(quality.shutil, "disk_usage", lambda path: _Usage(1 << 40, 1 << 40, 0))  # a full temp directory
+    kept = compare_folders(tiny_export, fp16_folder, max_tokens=40)
+    assert sinks == [None, None]
+    assert spilled == kept
