@@ -2,18 +2,21 @@
 
     python benchmarks/sparse_head.py [--model ../shared/trained-gpt2-py] [--work /tmp/sparse-bench]
                                      [--rounds 5] [--tokens 128] [--threads 2] [--rank 16] [--candidates 256]
-                                     [--workloads greedy,top-k 40,forced] [--breakdown] [--random] [--lock-once]
+                                     [--workloads greedy,top-k 40,top-p 0.9,forced] [--breakdown] [--random]
+                                     [--lock-once]
 
 Builds (once, under --work) the shared-cache fp32 export of --model, its int8 and int4 variants and the sparse
 head of each (`gpt2edge sparse-head`). Then, round by round (order alternating, each pair under
 `flock $BENCH_LOCK`), decodes each prompt with the full and the sparse folder, the order alternating per
-prompt and round: greedy and top-k 40 sampling (temperature 0.8, seeded). Prints per precision and workload:
+prompt and round: greedy, top-k 40 and top-p 0.9 sampling (temperature 0.8, seeded; top-p needs the full head
+every step). Prints per precision and workload:
 decode ms/token (median of the generate() medians) of each, the per-(round, prompt) ratio (median and
 range), whether every token matched, the
 fraction of steps certified and of head rows read. --random repeats the certification figures on a
 random-weight model of the same shape (flat distributions: nothing to certify). --breakdown first times a
-step's parts (full forward, the sparse body run with its fused certified step, the head graph, the sparse
-forward), teacher-forced over the greedy continuations.
+step's parts (full forward, the sparse body run, the native certified step, the head graph, the sparse
+forward), teacher-forced over the greedy continuations. GPT2EDGE_NATIVE=0 runs the body graph's own certified
+step instead of the native one (gpt2edge/runtime/sparse_head/native.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ PROMPTS = [
 WORKLOADS = {
     "greedy": dict(),
     "top-k 40": dict(do_sample=True, top_k=40, temperature=0.8, seed=7),
+    "top-p 0.9": dict(do_sample=True, top_p=0.9, temperature=0.8, seed=7),  # the full head every step
 }
 
 
@@ -94,8 +98,9 @@ def forced(gen, ids: list[int], sparse: bool) -> tuple[float, list[int]]:
 
 def breakdown(full, sparse, tokens: int) -> dict[str, float]:
     """Per-step parts, teacher-forced over the prompts' greedy continuations (min and 25th percentile, ms):
-    the full folder's forward, the sparse folder's body run alone (blocks + the fused certified step), its
-    head graph alone (the fallback), and its whole configured forward (body + certificate check + rows)."""
+    the full folder's forward, the sparse folder's body run alone (the blocks, with the graph's own certified step
+    unless the native step runs), the native step (when built), its head graph alone (the fallback), and its whole
+    configured forward (body + step + certificate check + rows)."""
     import time
 
     import numpy as np
@@ -104,7 +109,8 @@ def breakdown(full, sparse, tokens: int) -> dict[str, float]:
 
     seqs = [full.tokenizer.encode(p) + full.generate(p, max_new_tokens=tokens, ignore_eos=True).token_ids
             for p in PROMPTS]  # fmt: skip
-    parts: dict[str, list[float]] = {"full forward": [], "sparse body run": [], "head graph": [], "sparse forward": []}
+    parts: dict[str, list[float]] = {"full forward": [], "sparse body run": [], "native step": [], "head graph": [],
+                                     "sparse forward": []}  # fmt: skip
 
     def clock(key, fn, *a):
         t0 = time.perf_counter()
@@ -123,9 +129,12 @@ def breakdown(full, sparse, tokens: int) -> dict[str, float]:
             clock("full forward", a.forward, *step)
             b.fused.arm(1)
             h = clock("sparse body run", b.body.forward, *step)
+            if b.native is not None:  # the body ran without its own step: the native one (native.py) does it
+                f = b.fused
+                clock("native step", b.native.certify, h, f.ids, f.logits, f.bar, f.read)
             clock("head graph", sparse.graph.full_head, h)
             clock("sparse forward", c.forward, *step)
-    return {f"{k} {q}": float(np.percentile(v, p)) for k, v in parts.items() for q, p in (("min", 0), ("p25", 25))}
+    return {f"{k} {q}": float(np.percentile(v, p)) for k, v in parts.items() if v for q, p in (("min", 0), ("p25", 25))}
 
 
 _HELD = []  # the lock file while --lock-once holds it for the whole timed part
@@ -194,7 +203,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--candidates", type=int, default=256, help="exact rows per step in the body graph")
     ap.add_argument("--breakdown", action="store_true", help="also time a step's parts (min and p25 of each)")
-    ap.add_argument("--workloads", default="greedy,top-k 40,forced", help="which of greedy, top-k 40, forced")
+    ap.add_argument("--workloads", default="greedy,top-k 40,top-p 0.9,forced",
+                    help="which of greedy, top-k 40, top-p 0.9, forced")  # fmt: skip
     ap.add_argument("--precisions", default="int8,int4")
     ap.add_argument("--random", action="store_true", help="also the random-weight model's certification figures")
     ap.add_argument("--json", action="store_true")

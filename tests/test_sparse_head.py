@@ -3,7 +3,7 @@ head's, on both KV cache kinds at fp32 / int8 / int4, and every path that needs 
 
 Random tables give flat logits that no bound certifies, so the model here has a low-rank tied table (a few
 directions plus a little noise, scaled up): peaked distributions and tight bounds, so most steps certify and the
-sparse path is what is tested. A grid of folders is built once per module.
+sparse path is what is tested. The grid of folders is conftest's sparse_grid (built once a session).
 """
 
 from __future__ import annotations
@@ -14,60 +14,44 @@ import pytest
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.runtime.decoding.sampling import SamplingParams, softmax
 from gpt2edge.runtime.generator import Generator
+from gpt2edge.runtime.sparse_head import native
 
 PROMPTS = ["The river rose and", "A quiet"]
 KINDS = [(kv, p) for kv in ("concat", "shared") for p in ("fp32", "int8", "int4")]
 
 
-def peaked_checkpoint(src, out):
-    """The tiny random checkpoint with a low-rank, scaled tied table: peaked next-token distributions."""
-    import torch
-    from transformers import AutoTokenizer, GenerationConfig, GPT2LMHeadModel
-
-    model = GPT2LMHeadModel.from_pretrained(src).eval()
-    V, C = model.transformer.wte.weight.shape
-    g = torch.Generator().manual_seed(1)
-    table = torch.randn(V, 3, generator=g) @ torch.randn(3, C, generator=g) * 1.5 + 0.02 * torch.randn(
-        V, C, generator=g
-    )
-    with torch.no_grad():
-        model.transformer.wte.weight.copy_(table)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src).save_pretrained(out)
-    GenerationConfig.from_pretrained(src).save_pretrained(out)
-    return out
+@pytest.fixture(scope="module")
+def grid(sparse_grid) -> dict:
+    """(kv cache, precision) -> (parent folder, sparse folder): conftest's peaked model, built once a session."""
+    return sparse_grid
 
 
 @pytest.fixture(scope="module")
-def grid(tiny_checkpoint, tmp_path_factory) -> dict:
-    """(kv cache, precision) -> (parent folder, sparse folder)."""
-    from gpt2edge.export import export_model
-    from gpt2edge.quantize.handler import make_recipe, quantize_model
-    from gpt2edge.sparse.handler import sparse_head
-
-    root = tmp_path_factory.mktemp("sparse")
-    ckpt = peaked_checkpoint(tiny_checkpoint, root / "ckpt")
-    out = {}
-    for kv in ("concat", "shared"):
-        fp32 = root / f"{kv}-fp32"
-        export_model(str(ckpt), fp32, kv_cache=kv, run_validation=False, log=None)
-        for p in ("fp32", "int8", "int4"):
-            parent = fp32 if p == "fp32" else root / f"{kv}-{p}"
-            if p != "fp32":
-                quantize_model(fp32, parent, make_recipe(p), report=False)
-            sparse_head(parent, root / f"{kv}-{p}-sparse", rank=4, candidates_k=32)
-            out[kv, p] = parent, root / f"{kv}-{p}-sparse"
-    return out
+def gens(sparse_grid) -> dict:
+    return {key: (Generator(a), Generator(b)) for key, (a, b) in sparse_grid.items()}
 
 
 @pytest.fixture(scope="module")
-def gens(grid) -> dict:
-    return {key: (Generator(a), Generator(b)) for key, (a, b) in grid.items()}
+def gens_graph(sparse_grid, gens) -> dict:
+    """The same folders run with the body graph's own certified step (as without the native library)."""
+    import gpt2edge.runtime.sparse_head.lm as sparse_lm
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sparse_lm, "LIBRARY", None)
+        out = {key: (gens[key][0], Generator(b)) for key, (_, b) in sparse_grid.items()}
+    assert all(g.graph.step_arrays is None and g.graph.fused_k for _, g in out.values())
+    return out
+
+
+@pytest.fixture(params=["native", "graph"])
+def paths(request, gens, gens_graph) -> dict:
+    """gens, or gens_graph: a test run both ways."""
+    return gens if request.param == "native" else gens_graph
 
 
 @pytest.mark.parametrize("key", KINDS, ids=["-".join(k) for k in KINDS])
-def test_greedy_ids_identical(gens, key):
-    full, sparse = gens[key]
+def test_greedy_ids_identical(paths, key):
+    full, sparse = paths[key]
     assert sparse.graph.certify
     sparse.graph.reset_stats()
     n = 120  # long generations: up to the tiny model's 128 positions
@@ -77,7 +61,7 @@ def test_greedy_ids_identical(gens, key):
     st = sparse.graph.stats
     assert st.full == 0 and st.steps == 2 * n
     assert sparse.graph.fused_k and st.certified >= 0.8 * st.steps  # the body graph's certified step did the work
-    assert st.rows_read == st.certified * sparse.graph.fused_k < st.certified * sparse.graph.vocab_size
+    assert st.certified * sparse.graph.fused_k <= st.rows_read < st.certified * sparse.graph.vocab_size
 
 
 @pytest.mark.parametrize("key", KINDS, ids=["-".join(k) for k in KINDS])
@@ -104,9 +88,10 @@ def test_top_k_distribution_identical(gens, key):
     assert full.generate(PROMPTS[1], **kw).token_ids == sparse.generate(PROMPTS[1], **kw).token_ids
 
 
-def test_full_head_calls_are_the_parents(gens):
-    """Log-probs, top-p, beam search: the full head (the parent's head graph) every step, results as the parent's."""
-    full, sparse = gens["shared", "int8"]
+def test_full_head_calls_are_the_parents(paths):
+    """Log-probs, top-p, beam search: the full head (the body graph's copy of the parent's head) every step,
+    results as the parent's, bit for bit."""
+    full, sparse = paths["shared", "int8"]
     sparse.graph.reset_stats()
     a = full.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True, logprobs=2)
     b = sparse.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True, logprobs=2)
@@ -127,20 +112,28 @@ def test_full_head_calls_are_the_parents(gens):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "numpy"])
 def test_uncertified_steps_fall_back_and_are_counted(gens, monkeypatch, fused):
     """A step the bounds cannot certify runs the full head: still the parent's tokens, counted. Fused: no
-    candidate clears a huge margin; NumPy path: no step may read a row."""
+    candidate clears a huge margin, and after each failure the next 1, 2, 4 ... steps run the full head in the body
+    graph's own run (skipped) before the sparse head is tried again; NumPy path: no step may read a row."""
     import gpt2edge.runtime.sparse_head.fused as fused_mod
+    import gpt2edge.runtime.sparse_head.native as native_mod
 
     full, sparse = gens["concat", "int4"]
     monkeypatch.setattr(sparse.graph, "max_rows", 0)
     if fused:
-        monkeypatch.setattr(fused_mod, "TIE", 1e9)
+        monkeypatch.setattr(fused_mod, "TIE", 1e9)  # the graph's step's check
+        monkeypatch.setattr(native_mod, "TIE", 1e9)  # the native step's
     else:
         monkeypatch.setattr(sparse.graph, "fused_k", None)
     sparse.graph.reset_stats()
     a = full.generate(PROMPTS[1], max_new_tokens=10, ignore_eos=True)
     b = sparse.generate(PROMPTS[1], max_new_tokens=10, ignore_eos=True)
     assert a.token_ids == b.token_ids
-    assert sparse.graph.stats.fallbacks == 10 and sparse.graph.stats.certified == 0
+    st = sparse.graph.stats
+    assert st.certified == 0 and st.steps == 10
+    if fused:  # tried at steps 1, 3 and 6 (after skipping 1, then 2): 4 more skipped until step 10
+        assert (st.fallbacks, st.skipped) == (3, 7)
+    else:
+        assert st.fallbacks == 10
 
 
 @pytest.mark.parametrize("key", [("shared", "int8"), ("concat", "fp32")], ids=["shared-int8", "concat-fp32"])
@@ -158,16 +151,24 @@ def test_numpy_path_identical(gens, monkeypatch, key):
     assert st.certified >= 0.5 * st.steps and st.rows_read < st.certified * sparse.graph.vocab_size
 
 
-def test_fused_step_matches_numpy(gens):
-    """The body graph's certified step on real hidden states: its candidates are the rows of best upper bound,
-    their logits are exact.py's (float32 sums: within 2e-5 here, FUSED_TOL = 1.25e-4 allowed), and its bar is
-    above every other row's exact logit."""
+@pytest.mark.parametrize("path", ["native", "graph"])
+def test_fused_step_matches_numpy(gens, monkeypatch, path):
+    """The certified step on real hidden states, native (native.py) or the body graph's own: its candidates are
+    the rows of best upper bound, their logits are exact.py's (float32 sums: within 2e-5 here, FUSED_TOL =
+    1.25e-4 allowed), and its bar is above every other row's exact logit."""
     from gpt2edge.runtime.sparse_head.exact import HeadKernel
 
     for key in (("shared", "int8"), ("concat", "int4"), ("shared", "fp32")):
         sparse = gens[key][1]
         g = sparse.graph
+        if path == "graph":
+            monkeypatch.setattr(g, "step_arrays", None)
+        elif native.LIBRARY is None:
+            pytest.skip("the native step is not built (test_library_is_built_where_a_compiler_is says why)")
+        else:
+            assert g.step_arrays is not None
         lm = g.new_lm()
+        assert (lm.native is not None) == (path == "native")
         lm.configure_head(SamplingParams())
         ids = np.array([sparse.tokenizer.encode(PROMPTS[0])])
         lm.start(1, ids.shape[1] + 4)
@@ -176,6 +177,8 @@ def test_fused_step_matches_numpy(gens):
         lm.fused.arm(1)
         h = lm.body.forward(ids, np.ones_like(ids), np.arange(pos)[None])
         for step in range(4):
+            if lm.native is not None:
+                lm.native.certify(h, lm.fused.ids, lm.fused.logits, lm.fused.bar, lm.fused.read)
             kernel.prepare(h[0])
             exact = kernel.full()
             f = lm.fused

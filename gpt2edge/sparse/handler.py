@@ -74,6 +74,7 @@ def sparse_head(
     from gpt2edge.sparse.bounds import bound_table
     from gpt2edge.sparse.fused import GROUP_RANK, add_fused, candidates, group_rows, groups_for, slack_scale
     from gpt2edge.sparse.graph import bound_model, split_head
+    from gpt2edge.sparse.guard import guard_head, guard_step, step_arrays
 
     src, out = Path(src), Path(out)
     info = check_request(src, out, rank, candidates_k)
@@ -90,7 +91,11 @@ def sparse_head(
         coarse = bounds if rank <= GROUP_RANK else bound_table(table.dequantized(), GROUP_RANK)
         groups = group_rows(coarse, bounds)
         k, m = candidates(candidates_k, groups_for(candidates_k), groups)
+        first = len(body.graph.node)
         add_fused(body, table, bounds, groups, slack_scale(bounds), k, m)
+        guard_step(body, first, k)  # skipped where the runtime runs the step natively (guard.py)
+        guard_head(body, head)  # the full head in the body's run, for the steps that need it
+        step = step_arrays(bounds, groups, slack_scale(bounds))
         fused = {"candidates": k, "groups": m, "group_size": groups.size, "n_groups": len(groups.members)}
         bar.update()
         with atomic_output_dir(out, force=force, sources=[src]) as tmp:
@@ -99,7 +104,7 @@ def sparse_head(
             save_model(head, tmp / HEAD_FILE)
             opset = next(o for o in head.opset_import if o.domain in ("", "ai.onnx"))
             save_model(bound_model(bounds.pop("a_t"), bounds["eps"], opset), tmp / BOUND_FILE)
-            arrays = {**bounds, "bits": np.array(table.bits), "block_size": np.array(table.block_size)}
+            arrays = {**bounds, **step, "bits": np.array(table.bits), "block_size": np.array(table.block_size)}
             if table.codes is None:
                 arrays["weight"] = table.weight
             else:

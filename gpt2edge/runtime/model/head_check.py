@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from gpt2edge.errors import ModelFolderError
 from gpt2edge.manifest import KEEP_INPUT
 
@@ -25,3 +27,16 @@ def check_head(session: ort.InferenceSession, folder: ModelFolder) -> None:
             f"{folder.path}: its manifest says head {folder.head!r} but the graph's head is {real!r} (log-probs of "
             f"rank {rank}); the manifest was edited or copied from another export: export the model again."
         )
+
+
+def kept_ids(session: ort.InferenceSession, folder: ModelFolder) -> np.ndarray | None:
+    """The folder's kept ids (gpt2edge trim-vocab), checked against the width of the graph's log-probs."""
+    kept = folder.kept_ids()
+    want = folder.dims.vocab_size if kept is None else len(kept)
+    width = session.get_outputs()[0].shape[-1]
+    if isinstance(width, int) and width != want:
+        raise ModelFolderError(
+            f"{folder.path}: the graph scores {width} tokens but its manifest describes {want}; "
+            "export or trim the model again."
+        )
+    return kept

@@ -14,7 +14,7 @@ from gpt2edge.manifest import KEEP_INPUT
 from gpt2edge.runtime.model.cache_rows import CacheRows
 from gpt2edge.runtime.model.columns import Columns
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.head_check import check_head
+from gpt2edge.runtime.model.head_check import check_head, kept_ids
 from gpt2edge.runtime.model.kv_cache import KVCache, SharedKVCache
 from gpt2edge.runtime.model.ort_session import ORT_DEVICE, create_session, quiet_run_options, run_errors
 from gpt2edge.runtime.model.static_lm import StaticGraph
@@ -58,13 +58,15 @@ class OrtGraph:
         self.keeps = KEEP_INPUT in names  # --head tail: the graph returns the positions listed in that input
         self._check_cache_inputs()  # before any cache is sized from the manifest's dims
         check_head(self.session, folder)  # the manifest's head decides how outputs are read (score, speculative)
-        self.kept_ids = self._kept_ids() if output == "logprobs" else None  # a trimmed head's K columns, full ids
+        self.kept_ids = kept_ids(self.session, folder) if output == "logprobs" else None  # a trimmed head's K columns
         width = self.vocab_size if self.kept_ids is None else len(self.kept_ids)
         self.output_width = width if output == "logprobs" else folder.dims.n_embd  # "hidden": (B, n_embd)
         self.columns = None if self.kept_ids is None else Columns.of(self.kept_ids, self.vocab_size)
         self._full_vocab_steps = False  # private, parity tests: loops scatter to (B, V) first, as before K columns
         self.present_names = [o.name for o in self.session.get_outputs()[1:] if o.name.startswith("present")]
         self.kv_dtype = folder.kv_dtype
+        # bool inputs: parts of the graph a caller may switch off (a sparse body's own certified step); fed True
+        self.switches = [i.name for i in self.session.get_inputs() if i.type == "tensor(bool)"]
 
     def _check_cache_inputs(self) -> None:
         """The graph's past inputs are the manifest's n_layer x (key, value) of (batch, n_head, past, head_dim) in its
@@ -85,18 +87,6 @@ class OrtGraph:
                 f"{self.folder.path}: the graph has {len(past)} KV cache inputs but its manifest says n_layer "
                 f"{self.n_layer} ({2 * self.n_layer} inputs); export the model again."
             )
-
-    def _kept_ids(self) -> np.ndarray | None:
-        """The folder's kept ids (gpt2edge trim-vocab), checked against the width of the graph's log-probs."""
-        kept = self.folder.kept_ids()
-        want = self.vocab_size if kept is None else len(kept)
-        width = self.session.get_outputs()[0].shape[-1]
-        if isinstance(width, int) and width != want:
-            raise ModelFolderError(
-                f"{self.folder.path}: the graph scores {width} tokens but its manifest describes {want}; "
-                "export or trim the model again."
-            )
-        return kept
 
     def new_lm(self, io_binding: bool = True) -> OrtLM:
         """A generation context of its own on this graph (LMPool's factory)."""
@@ -151,6 +141,7 @@ class OrtLM(CacheRows):
         self.past_names, self.present_names = g.past_names, g.present_names
         self.kept_ids = g.kept_ids
         self.io_binding = io_binding
+        self.switches = {n: np.array(True) for n in g.switches}  # bound by address: set in place to switch off
         cache_cls = SharedKVCache if self.shared else KVCache
         self.cache = cache_cls(self.n_layer, self.n_head, self.head_dim, self.kv_dtype, ORT_DEVICE[self.device])
         self.binding = self.session.io_binding() if io_binding else None
@@ -197,7 +188,7 @@ class OrtLM(CacheRows):
         """forward() before the trimmed head's mapping: (B, V) log-probs ((B, K) for a trimmed head)."""
         B, S = input_ids.shape
         n = self._check_keep(keep, S)
-        if self.shared and B > 1 and S > 1 and self.past_len > 0:
+        if self.runs_by_row(B, S):
             if keep is not None:
                 raise ValueError("keep= runs one row at a time on a shared-cache graph with a past")
             return self._forward_rows(input_ids, attention_mask, position_ids)
@@ -206,6 +197,7 @@ class OrtLM(CacheRows):
             if self.graph.keeps:
                 feed[KEEP_INPUT] = np.arange(S - n, S, dtype=np.int64)
             feed.update(zip(self.past_names, self.cache.tensors(self.past_len) if self.shared else self._presents))
+            feed.update(self.switches)
             out = self.session.run([self.graph.output, *self.present_names], feed, self.graph.run_options)
             if self.shared:
                 self.cache.write(out[1:], self.past_len)
@@ -237,6 +229,10 @@ class OrtLM(CacheRows):
         # on CUDA only this (B, V) tensor crosses to the host each step; the cache stays on the device
         return _rows(lp if self.device == "cpu" else lp.numpy(), keep)
 
+    def runs_by_row(self, B: int, S: int) -> bool:
+        """Whether a step of B rows of S tokens runs row by row (_forward_rows), each on a binding of its own."""
+        return self.shared and B > 1 and S > 1 and self.past_len > 0
+
     def _check_keep(self, keep: int | None, S: int) -> int:
         """How many positions' log-probs this step returns (1 without keep); a last-position head has one."""
         if keep is None:
@@ -262,11 +258,12 @@ class OrtLM(CacheRows):
             feed = {name: np.ascontiguousarray(a[r : r + 1], dtype=np.int64) for name, a in step.items()}
             if self.graph.keeps:
                 feed[KEEP_INPUT] = np.array([S - 1], dtype=np.int64)
+            feed.update(self.switches)
             cache = self.cache.row(r)  # (1, nh, capacity, hs) views, one per past/present name
             if self.io_binding:
                 b = self.session.io_binding()
                 for name, arr in feed.items():
-                    b.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
+                    b.bind_input(name, "cpu", 0, arr.dtype.type, list(arr.shape), arr.ctypes.data)
                 b.bind_output(self.graph.output, "cpu")
                 for past, present, view in zip(self.past_names, self.present_names, cache):
                     b.bind_input(past, "cpu", 0, view.dtype.type, list(view.shape), view.ctypes.data)
@@ -293,8 +290,8 @@ class OrtLM(CacheRows):
         S tokens (`keep` positions of log-probs from a tail head)."""
         b = self.binding
         self._inputs = {name: np.array(arr, dtype=np.int64, order="C") for name, arr in inputs.items()}
-        for name, arr in self._inputs.items():
-            b.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
+        for name, arr in (*self._inputs.items(), *self.switches.items()):
+            b.bind_input(name, "cpu", 0, arr.dtype.type, list(arr.shape), arr.ctypes.data)
         # outputs come back in binding order: logprobs first, then the presents
         lp = self._logprobs
         B = len(self._inputs["input_ids"])

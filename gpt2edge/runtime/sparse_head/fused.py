@@ -19,16 +19,25 @@ import numpy as np
 from gpt2edge.runtime.sparse_head.exact import TIE
 
 IDS, LOGITS, BAR = "sparse_ids", "sparse_logits", "sparse_bar"
+# the body graph's switches (bool inputs; OrtGraph feeds them True): run the graph's own certified step; skip the
+# full head inside the body graph (gpt2edge.sparse.guard), whose log-probs come out as FULL_OUTPUT when it runs
+STEP_INPUT, HEAD_SWITCH, FULL_OUTPUT = "sparse_step", "sparse_skip_head", "logprobs"
 FUSED_TOL = TIE / 8  # the graph's float32 logits against exact.py's (measured ~1e-6 on trained-gpt2-py)
 
 
 class FusedReader:
     """The sparse outputs of one OrtLM's body runs (not thread-safe: one per SparseLM)."""
 
-    def __init__(self, body_lm, k: int, vocab_size: int) -> None:
+    def __init__(self, body_lm, k: int, vocab_size: int, native: bool = False) -> None:
         self.body, self.K, self.V = body_lm, k, vocab_size
+        self.native = native  # the outputs come from native.py, not the graph: the graph's step is switched off
+        # the body graph holds the full head too (guard.py): switched on, its log-probs land in _full_buf
+        self.head_in_graph = HEAD_SWITCH in getattr(body_lm, "switches", {}) and body_lm.binding is not None
+        self._full_buf = np.empty((0, vocab_size), dtype=np.float32)
+        self._full_mode: tuple[bool, int] | None = None  # how FULL_OUTPUT is bound: (on, B)
         self.B = 0
-        self.ids = self.logits = self.bar = None
+        self.ids = self.logits = self.bar = self.read = None
+        self.ok = self.last = self.last_ok = None
         self.rows = np.empty((0, vocab_size), dtype=np.float32)  # the returned rows: -inf but at the last ids
         self._written: list[np.ndarray | None] = []  # per row: the ids written last step (None: the whole row)
 
@@ -39,17 +48,49 @@ class FusedReader:
         b = self.body.binding
         if b is None:
             return False
+        if self.native:  # the body graph's own step is switched off (read by address at every run)
+            self.body.switches[STEP_INPUT][...] = False
         if B != self.B:
             self.ids = np.zeros((B, self.K), dtype=np.int64)
             self.logits = np.empty((B, self.K), dtype=np.float64)
             self.bar = np.empty((B, 1), dtype=np.float64)
+            self.read = np.full(B, self.K, dtype=np.int32)  # exact rows per row (native.py writes more)
             for name, arr in ((IDS, self.ids), (LOGITS, self.logits), (BAR, self.bar)):
-                b.bind_output(name, "cpu", 0, arr.dtype.type, list(arr.shape), arr.ctypes.data)
+                if not self.native:
+                    b.bind_output(name, "cpu", 0, arr.dtype.type, list(arr.shape), arr.ctypes.data)
             self.rows = np.full((B, self.V), -np.inf, dtype=np.float32)
             self._written = [None] * B
+            if self.native:  # native.py's rows(): its verdicts and the ids it wrote last (last_ok 0: unknown)
+                self.ok = np.zeros(B, dtype=np.int8)
+                self.last = np.zeros((B, self.K), dtype=np.int64)
+                self.last_ok = np.zeros(B, dtype=np.int8)
             self.B = B
         self.bar.fill(np.nan)
         return True
+
+    def switch_head(self, full: bool, B: int) -> None:
+        """Before a body run: the body graph's full head on, its (B, V) log-probs written into our buffer, or off
+        (ORT allocates the (1, 1) placeholder; a bound buffer of another shape would fail the run)."""
+        self.body.switches[HEAD_SWITCH][...] = not full
+        if not self.native and STEP_INPUT in self.body.switches:
+            # the graph's own step is not read on a full-head step; its (1, K) placeholders fit the bound buffers
+            # only at B = 1 (so at B > 1 it runs anyway)
+            self.body.switches[STEP_INPUT][...] = not (full and B == 1)
+        mode = (full, B if full else 0)
+        if mode == self._full_mode:
+            return
+        if full:
+            if len(self._full_buf) != B:
+                self._full_buf = np.empty((B, self.V), dtype=np.float32)
+            buf = self._full_buf
+            self.body.binding.bind_output(FULL_OUTPUT, "cpu", 0, np.float32, list(buf.shape), buf.ctypes.data)
+        else:
+            self.body.binding.bind_output(FULL_OUTPUT, "cpu")
+        self._full_mode = mode
+
+    def full_logprobs(self, B: int) -> np.ndarray | None:
+        """The (B, V) log-probs of the body's last run, when switch_head put its full head on for B rows."""
+        return self._full_buf if self._full_mode == (True, B) else None
 
     def certified(self, b: int, k: int) -> bool:
         """Whether row b's k best tokens (in order) are its best candidates, by more than TIE. (A repeated
@@ -89,3 +130,5 @@ class FusedReader:
         """Row b gets the full head's log-probs (an uncertified row)."""
         self.rows[b] = logprobs
         self._written[b] = None
+        if self.last_ok is not None:
+            self.last_ok[b] = 0

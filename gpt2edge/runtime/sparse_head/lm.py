@@ -27,7 +27,8 @@ from gpt2edge.manifest import resolve_inside
 from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
 from gpt2edge.runtime.sparse_head.body import BodyGraph, BodyLM
 from gpt2edge.runtime.sparse_head.exact import TIE, HeadKernel
-from gpt2edge.runtime.sparse_head.fused import FUSED_TOL, IDS, FusedReader
+from gpt2edge.runtime.sparse_head.fused import FUSED_TOL, IDS, STEP_INPUT, FusedReader
+from gpt2edge.runtime.sparse_head.native import LIBRARY, NativeStep, load_step_arrays
 from gpt2edge.runtime.sparse_head.policy import sparse_k
 from gpt2edge.runtime.sparse_head.record import FIX, SparseHeadInfo, load_table
 
@@ -36,18 +37,21 @@ from gpt2edge.runtime.sparse_head.record import FIX, SparseHeadInfo, load_table
 MAX_FRACTION = 0.02
 MIN_ROWS = 64
 REFINE = 16  # rows whose exact logits raise the floor when the first one leaves many candidates
+MAX_SKIP = 64  # at most this many steps run the full head before the sparse head is tried again
 
 
 @dataclass
 class SparseStats:
     """Counters over every step since load (or reset()): `steps` head evaluations (one per row per forward),
     `certified` of them served by the sparse head, `fallbacks` that could not be certified and ran the full head,
-    `full` that ran the full head because the call needs it; `rows_read` exact rows summed over certified steps."""
+    `full` that ran the full head because the call needs it; `skipped` that ran it (in the body's run) because the
+    steps before them did not certify; `rows_read` exact rows summed over certified steps."""
 
     steps: int = 0
     certified: int = 0
     fallbacks: int = 0
     full: int = 0
+    skipped: int = 0
     rows_read: int = 0
 
     def to_json(self, vocab_size: int) -> dict:
@@ -91,14 +95,19 @@ class SparseGraph(BodyGraph):
         self.bound = create_session(self.bound_path, device=device, threads=1)
         self.run_options = quiet_run_options()
         d = folder.dims
-        self.table = load_table(resolve_inside(folder.path, rec.table_file), rec, d.vocab_size, d.n_embd)
+        self.table_path = resolve_inside(folder.path, rec.table_file)
+        self.table = load_table(self.table_path, rec, d.vocab_size, d.n_embd)
         self.max_rows = max(min(MIN_ROWS, d.vocab_size), int(max_fraction * d.vocab_size))
         self.stats = SparseStats()
         self._lock = threading.Lock()
         self.certify = self._self_check()
-        # K when the body graph computes the certified step itself (fused.py), after its own check
+        # K when the body graph computes the certified step itself (fused.py), after its own check; the step runs
+        # natively (native.py) where the library is built and the graph can skip its own
         outputs = {o.name for o in body.session.get_outputs()}
         self.fused_k = rec.candidates if rec.candidates and IDS in outputs and self.certify else None
+        self.step_arrays = None
+        if self.fused_k and STEP_INPUT in body.switches and rec.groups and LIBRARY is not None:
+            self.step_arrays = load_step_arrays(self.table_path, d.vocab_size, d.n_embd, rec.rank)
         if self.fused_k and not self._check_fused():
             self.fused_k = None
 
@@ -155,6 +164,8 @@ class SparseGraph(BodyGraph):
         lm.start(1, 3)
         lm.fused.arm(1)
         h = lm.body.forward(ids, np.ones_like(ids), np.arange(3)[None])
+        if lm.native is not None:
+            lm.native.certify(h, lm.fused.ids, lm.fused.logits, lm.fused.bar, lm.fused.read)
         kernel = HeadKernel(self.table, self.rec.kind, self.folder.dims.n_embd)
         kernel.prepare(h[0])
         f, exact = lm.fused, kernel.full()
@@ -164,6 +175,9 @@ class SparseGraph(BodyGraph):
                 f"another model, or edited); {FIX}."
             )
         err = float(np.abs(exact[f.ids[0]] - f.logits[0]).max())
+        if err > FUSED_TOL and lm.native is not None:  # the native step is off: the graph's own, checked again
+            self.step_arrays = None
+            return self._check_fused()
         if err > FUSED_TOL:
             warnings.warn(f"{self.folder.path}: the body graph's sparse logits are off the head's arithmetic by "
                           f"{err:.2g} (> {FUSED_TOL}); the sparse step runs in NumPy.", stacklevel=3)  # fmt: skip
@@ -195,11 +209,17 @@ class SparseLM(BodyLM):
     def __init__(self, graph: SparseGraph, io_binding: bool = True) -> None:
         super().__init__(graph, io_binding)
         self.kernel = HeadKernel(graph.table, graph.rec.kind, graph.folder.dims.n_embd)
-        self.fused = FusedReader(self.body, graph.fused_k, graph.vocab_size) if graph.fused_k else None
+        arrays = graph.step_arrays if graph.fused_k else None
+        self.native = None if arrays is None else NativeStep(graph.table, arrays, graph.rec.kind, graph.fused_k,
+                                                             graph.rec.groups)  # fmt: skip
+        self.fused = FusedReader(self.body, graph.fused_k, graph.vocab_size, self.native is not None) \
+            if graph.fused_k else None  # fmt: skip
         self.k: int | None = None
+        self._skip = self._backoff = 0  # steps left to run the full head in the body's run, and the last such run
 
     def start(self, batch: int, length: int) -> None:
         self.k = None  # a loop that never configures the head (beam search, scoring) gets log-probs
+        self._skip = self._backoff = 0
         self.body.start(batch, length)
 
     def configure_head(self, params, logprobs: bool = False) -> None:
@@ -208,11 +228,27 @@ class SparseLM(BodyLM):
 
     def forward(self, input_ids, attention_mask, position_ids, keep: int | None = None) -> np.ndarray:
         # the sparse outputs stay bound at the batch size of every run (beam search grows it), used or not
-        armed = self.fused is not None and self.fused.arm(len(input_ids))
+        B, S = input_ids.shape
+        armed = self.fused is not None and self.fused.arm(B)
         fused = armed and self.k is not None and self.k < self.fused.K and bool(self.graph.fused_k)
+        # the full head in the body's own run (guard.py): for calls that need it, and after uncertified steps
+        in_graph = armed and self.fused.head_in_graph and not self.body.runs_by_row(B, S)
+        skipped = fused and in_graph and self._skip > 0
+        if skipped:
+            self._skip -= 1
+            fused = False
+        full = in_graph and (self.k is None or skipped)
+        if in_graph:
+            self.fused.switch_head(full, B)
         h = self.body.forward(input_ids, attention_mask, position_ids, keep)
         if keep is not None:  # a last-position graph: keep is 1 (OrtLM refuses more)
             h = h[:, -1]
+        lp = self.fused.full_logprobs(B) if full else None
+        if lp is not None:
+            self.graph.count(steps=B, **{"skipped" if skipped else "full": B})
+            return lp if keep is None else lp[:, None]
+        if fused and self.native is not None:
+            self.native.certify(h, self.fused.ids, self.fused.logits, self.fused.bar, self.fused.read, self.k)
         rows = self._head_fused(h) if fused else self._head(h)
         return rows if keep is None else rows[:, None]
 
@@ -220,14 +256,22 @@ class SparseLM(BodyLM):
         """(B, C) hidden -> (B, V) rows from the body graph's certified step; a row it cannot certify runs the
         full head (its log-probs)."""
         f, g = self.fused, self.graph
-        certified = 0
+        certified = read = 0
+        if self.native is not None:  # the check and the rows in the native call too
+            self.native.rows(f, len(h), self.k)
         for b in range(len(h)):
-            if f.certified(b, self.k):
-                f.row(b)
+            if f.ok[b] if self.native is not None else f.certified(b, self.k):
+                if self.native is None:
+                    f.row(b)
                 certified += 1
+                read += int(f.read[b])
             else:
                 f.full_row(b, g.full_head(h[b : b + 1])[0])
-        g.count(steps=len(h), certified=certified, fallbacks=len(h) - certified, rows_read=certified * f.K)
+        g.count(steps=len(h), certified=certified, fallbacks=len(h) - certified, rows_read=read)
+        # after an uncertified step the next ones run the full head in the body's run, 1, 2, 4 ... MAX_SKIP of them
+        # while they keep failing (top-k 40 almost never certifies); a certified step starts over
+        self._backoff = 0 if certified == len(h) else min(max(1, 2 * self._backoff), MAX_SKIP)
+        self._skip = self._backoff
         return f.rows
 
     def _head(self, h: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ class SparseHeadInfo:
     kind: str
     rank: int
     candidates: int | None = None  # K: the body graph computes the certified step (fused.py); None: older folders
+    groups: int | None = None  # M: groups whose members' bounds the step computes (with candidates)
 
     @classmethod
     def of(cls, info: Manifest, where: str) -> SparseHeadInfo | None:
@@ -47,10 +48,11 @@ class SparseHeadInfo:
             if f not in info.files:
                 raise ModelFolderError(f"{where}: {f} is loaded but not listed in 'files'; {FIX}.")
         fused = rec.get("fused")
-        k = fused.get("candidates") if isinstance(fused, dict) else None
-        if fused is not None and (type(k) is not int or not 1 <= k < info.dims.vocab_size):
+        k, m = (fused.get("candidates"), fused.get("groups")) if isinstance(fused, dict) else (None, None)
+        if fused is not None and (type(k) is not int or not 1 <= k < info.dims.vocab_size or
+                                  type(m) is not int or not 1 <= m <= info.dims.vocab_size):  # fmt: skip
             raise ModelFolderError(f"{where}: sparse_head.fused {fused!r} is not valid; {FIX}.")
-        return cls(head, bound, table, kind, rank, k)
+        return cls(head, bound, table, kind, rank, k, m)
 
 
 @dataclass(frozen=True)
