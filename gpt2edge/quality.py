@@ -10,15 +10,18 @@ PyTorch source model. No torch here: the runtime extra is enough.
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import GenerationError, ModelFolderError
+from gpt2edge.heap import return_free_memory
 from gpt2edge.manifest import read_manifest
 from gpt2edge.runtime.decoding.generate import generate
 from gpt2edge.runtime.decoding.sampling import SamplingParams
@@ -74,15 +77,37 @@ def greedy_plan(n_tokens: int, n_positions: int) -> tuple[list[int], int]:
     return sorted({round(float(x)) for x in np.linspace(first, last, GREEDY_STARTS)}), n_new
 
 
-def stream_logprobs(lm: OrtLM, tokens: Sequence[int]) -> np.ndarray:
-    """(T, V) log-probs of the token after each position, one cached step per token."""
+def stream_logprobs(lm: OrtLM, tokens: Sequence[int], sink: BinaryIO | None = None) -> np.ndarray:
+    """(T, V) log-probs of the token after each position, one cached step per token. With `sink` (a binary file
+    open for reading and writing), each row is appended there as it is computed and the result is a read-only
+    map of those rows: no (T, V) array is held while the session runs (gpt2-small's vocabulary: 51 MB)."""
     lm.start(1, len(tokens))
-    out = np.empty((len(tokens), lm.vocab_size), dtype=np.float32)
+    shape = (len(tokens), lm.vocab_size)
+    out = np.empty(shape, dtype=np.float32) if sink is None else None
+    start = 0 if sink is None else sink.seek(0, 2)
     mask = np.ones((1, len(tokens)), dtype=np.int64)
     for t, tok in enumerate(tokens):
         lp = lm.forward(np.array([[tok]], np.int64), mask[:, : t + 1], np.array([[t]], np.int64))
-        out[t] = lp[0]  # copy: the bound output buffer is reused by the next step
-    return out
+        if out is not None:
+            out[t] = lp[0]  # copy: the bound output buffer is reused by the next step
+        else:
+            sink.write(np.ascontiguousarray(lp[0], dtype="<f4").tobytes())
+    if out is not None:
+        return out
+    sink.flush()
+    return np.memmap(sink, dtype="<f4", mode="r", offset=start, shape=shape)  # pages read when the metrics read
+
+
+def logprobs_spill(n_tokens: int, vocab_size: int) -> BinaryIO | None:
+    """A scratch file (deleted when closed) for both sides' log-probs, or None where the temp directory lacks
+    room for them (with a margin): the report then keeps them in memory, as it did before."""
+    need = 2 * n_tokens * vocab_size * 4
+    try:
+        if shutil.disk_usage(tempfile.gettempdir()).free < 2 * need + (256 << 20):
+            return None
+        return tempfile.TemporaryFile(prefix="gpt2edge-logprobs-")
+    except OSError:  # no usable temp directory
+        return None
 
 
 def greedy_continuation(lm: OrtLM, tokenizer: TextTokenizer, prompt: list[int], n: int) -> list[int]:
@@ -183,10 +208,11 @@ def folder_side(
     max_tokens: int,
     device: str = "cpu",
     n_positions: int | None = None,
+    sink: BinaryIO | None = None,
 ) -> tuple[list[int], np.ndarray, list[list[int]], list[int], ModelFolder]:
     """Log-probs over the stream and the greedy continuations (one per start) of one export folder, within
     `n_positions` (default: the folder's; both sides of a comparison must plan alike); returns (tokens,
-    logprobs, greedy, starts, folder)."""
+    logprobs, greedy, starts, folder). `sink`: stream_logprobs'."""
     folder = ModelFolder.open(path, verify=False)
     n_positions = min(folder.n_positions, n_positions or folder.n_positions)  # a static export: its capacity
     tokenizer = TextTokenizer(folder.tokenizer_path)
@@ -196,8 +222,13 @@ def folder_side(
     # fp32 copies beside them (gpt2-large: 4.85 GB -> 1.89 GB), an fp32 one no packed copies; same graph computed
     lm = load_graph(folder, device=device, lean=True).new_lm()
     starts, n_new = greedy_plan(len(tokens), n_positions)
-    greedy = [greedy_continuation(lm, tokenizer, tokens[:s], n_new) for s in starts]
-    return tokens, stream_logprobs(lm, tokens), greedy, starts, folder
+    greedy = []
+    for s in starts:
+        greedy.append(greedy_continuation(lm, tokenizer, tokens[:s], n_new))
+        # each run's KV cache and buffers, freed, would otherwise stay in glibc's heap under the next run's and
+        # the log-probs' (gpt2-small's fp32 side: +57 MB over four runs, the report's peak)
+        return_free_memory()
+    return tokens, stream_logprobs(lm, tokens, sink), greedy, starts, folder
 
 
 def compare_folders(
@@ -214,14 +245,22 @@ def compare_folders(
     text = None if text is None else text_arg(text, "text")
     check_comparable(Path(a), Path(b))
     # one plan for both sides: a static-shape export holds fewer positions than the model has
-    limit = min(ModelFolder.open(p, verify=False).n_positions for p in (Path(a), Path(b)))
-    tokens, lp_a, greedy_a, starts, fa = folder_side(Path(a), None, text, max_tokens, device, limit)
-    _, lp_b, greedy_b, _, fb = folder_side(Path(b), tokens, text, max_tokens, device, limit)
-    if fa.info.vocab is not None or fb.info.vocab is not None:  # a trimmed head: compared on its kept ids
-        report = compare_trimmed(lp_a, lp_b, tokens, fa.kept_ids(), fb.kept_ids())
-        report.update(greedy_fields(greedy_a, greedy_b, starts))
-    else:
-        report = compare(lp_a, lp_b, tokens, greedy_a, greedy_b, starts)
+    folders = [ModelFolder.open(p, verify=False) for p in (Path(a), Path(b))]
+    limit = min(f.n_positions for f in folders)
+    # each side's log-probs go to a scratch file as they are computed and are read back by the metrics once both
+    # sessions are gone: the variant's session never runs beside the reference's (T, V) array
+    spill = logprobs_spill(min(max_tokens, limit), folders[0].dims["vocab_size"])
+    try:
+        tokens, lp_a, greedy_a, starts, fa = folder_side(Path(a), None, text, max_tokens, device, limit, spill)
+        _, lp_b, greedy_b, _, fb = folder_side(Path(b), tokens, text, max_tokens, device, limit, spill)
+        if fa.info.vocab is not None or fb.info.vocab is not None:  # a trimmed head: compared on its kept ids
+            report = compare_trimmed(lp_a, lp_b, tokens, fa.kept_ids(), fb.kept_ids())
+            report.update(greedy_fields(greedy_a, greedy_b, starts))
+        else:
+            report = compare(lp_a, lp_b, tokens, greedy_a, greedy_b, starts)
+    finally:
+        if spill is not None:
+            spill.close()
     report.update(
         reference=str(a),
         variant=variant_name or str(b),
