@@ -82,3 +82,22 @@ def test_tampered_table_caught(sparse_folder, tmp_path):
     (bad / "sparse_head.npz").write_bytes(b"not a zip")
     with pytest.raises(ModelFolderError, match="cannot be read"):
         Generator(bad, verify=False)
+
+
+@pytest.mark.parametrize("fmt", ["web", "genai"])
+def test_convert_for_other_runtimes_refused(sparse_folder, tmp_path, fmt):
+    """The browser runtime and onnxruntime-genai do not run a sparse head (its body graph returns the hidden state
+    and takes switches they do not feed): one line, naming the parent, nothing written."""
+    r = cli("convert", sparse_folder, "--format", fmt, "-o", tmp_path / "o")
+    one_error_line(r, "sparse LM head")
+    assert "parent" in r.output and not (tmp_path / "o").exists()
+
+
+def test_convert_to_ort_format_runs(sparse_folder, tiny_export, tmp_path):
+    """--format ort keeps it a gpt2edge folder: the same greedy tokens as the parent (a random table: the native
+    step reads on past its candidates and leaves some rows out, whose logits then set the bar)."""
+    r = cli("convert", sparse_folder, "--format", "ort", "-o", tmp_path / "ort")
+    assert r.exit_code == 0, r.output
+    kw = dict(max_new_tokens=12, ignore_eos=True)
+    ids = Generator(tmp_path / "ort").generate("The", **kw).token_ids
+    assert ids == Generator(tiny_export).generate("The", **kw).token_ids

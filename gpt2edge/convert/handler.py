@@ -48,6 +48,13 @@ def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = 
             f"{src} is a --head tail export, whose logits_to_keep input onnxruntime-genai does not feed; convert "
             "a --head last export of the same checkpoint."
         )
+    if fmt in ("web", "genai") and folder.info.raw.get("sparse_head") is not None:
+        # the body graph returns the hidden state (and switches the browser runtime and genai do not feed)
+        raise ConvertError(
+            f"{src} has a sparse LM head, which only gpt2edge's own runtime runs; convert its parent folder "
+            f"({folder.info.raw['sparse_head'].get('parent', {}).get('path', 'the folder it was built from')}) for "
+            f"--format {fmt}, or use --format ort."
+        )
     if fmt == "ort":
         check_ort_size(folder.model_bytes(), src)
     if fmt == "web":

@@ -115,6 +115,9 @@ static int extend(const g2e_tables *t, const step_state *st, int k, int64_t *ids
         ids[i] = xid[sel[i]];
         logits[i] = xlog[sel[i]];
     }
+    /* a logit read but left out bounds its row only up to the summation order of another implementation of the
+       same arithmetic (exact.py's numpy sums: ~1e-16 relative): a margin far inside TIE */
+    if (left > -INFINITY) left += 1e-9 * (1.0 + fabs(left));
     const double unread = rest + st->hmu + st->slack;
     *bar = unread > left ? unread : left;
     return nx;
