@@ -140,6 +140,10 @@ def test_outputs_are_checked(sparse_grid):
         step.certify(np.zeros((2, C), np.float32), ok[0], ok[1].astype(np.float32), ok[2], ok[3])
     with pytest.raises(ValueError, match="rows"):
         step.certify(np.zeros((3, C), np.float32), *ok)  # more rows than the outputs hold
+    h = np.ones((2, C), np.float32)
+    h[0, 3], h[1, 5] = np.inf, np.nan  # a diverged model: nothing certified, no crash
+    step.certify(h, *ok)
+    assert np.isnan(ok[2]).all() and (ok[0] == 0).all()
 
 
 def test_body_graph_switches(sparse_grid):

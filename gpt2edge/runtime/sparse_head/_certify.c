@@ -144,6 +144,18 @@ HOT static int certify_row(const g2e_tables *t, const float *h, int k, int64_t *
     int32_t *gsel = (int32_t *)(proj + C), *msel = gsel + G;
     float *tmp = (float *)(msel + (int64_t)m * S);
 
+    /* a non-finite activation (a diverged model): nothing to certify; no int8 conversion of inf or NaN either */
+    int finite = 1;
+    for (int c = 0; c < C; c++) finite &= isfinite(h[c]) != 0;
+    if (!finite) {
+        for (int i = 0; i < K; i++) {
+            ids[i] = 0;
+            logits[i] = 0.0;
+        }
+        *bar = NAN;
+        return 0;
+    }
+
     /* 1. h_eff */
     if (t->kind == 2) {
         for (int b = 0; b < t->kb; b++) {
