@@ -34,6 +34,14 @@ def test_switched_off_by_environment(monkeypatch):
     assert native._library() is None
 
 
+@needs_library
+def test_stale_build_refused(monkeypatch):
+    """A library built from other sources (its interface version or struct size differ) is not used."""
+    assert native._library() is not None
+    monkeypatch.setattr(native, "ABI", native.ABI + 1)
+    assert native._library() is None
+
+
 def _small_groups(parent, g):
     """The parent's head table with small groups (8 rows, 16 clusters: most groups are left out of a step): the
     standalone graph of the fused step, and the native step on the same tables."""

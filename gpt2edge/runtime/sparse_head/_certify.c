@@ -123,6 +123,12 @@ static int extend(const g2e_tables *t, const step_state *st, int k, int64_t *ids
     return nx;
 }
 
+/* The interface's version and the tables' size: native.py refuses a library built from other sources (a stale
+   build left in place) rather than read its struct wrongly. Bump G2E_ABI with any change of an exported
+   signature or of g2e_tables. */
+#define G2E_ABI 1
+int64_t g2e_abi(void) { return (int64_t)G2E_ABI * 1000000 + (int64_t)sizeof(g2e_tables); }
+
 /* The scratch a call needs, in floats (the caller allocates it once). */
 int64_t g2e_scratch_floats(const g2e_tables *t) {
     const int64_t C = t->C, pad = (int64_t)t->kb * t->bs, padded = C > pad ? C : pad, ms = (int64_t)t->m * t->S;

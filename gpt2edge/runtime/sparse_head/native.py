@@ -30,6 +30,7 @@ STEP_ARRAYS = ("group_members", "group_table", "group_q", "member_rows", "slack_
 # when the bar stops the best candidate, the step reads up to this many more rows (from up to this many more
 # groups) before the step is left to the full head: a few hundred rows (~10-30 us) against ~0.3 ms
 EXTRA_ROWS, EXTRA_GROUPS = 1024, 128
+ABI = 1  # _certify.c's G2E_ABI
 KIND_CODES = {("weight", "float"): 0, ("codes", "float"): 1, ("codes", "int8-activations"): 2}
 
 
@@ -58,8 +59,12 @@ def _library() -> ctypes.CDLL | None:
         if path.is_file():
             try:
                 lib = ctypes.CDLL(str(path))
-            except OSError:
+                lib.g2e_abi  # noqa: B018  (a library without it is from an older build)
+            except (OSError, AttributeError):
                 return None
+            lib.g2e_abi.restype = ctypes.c_int64
+            if lib.g2e_abi() != ABI * 1_000_000 + ctypes.sizeof(_Tables):
+                return None  # built from other sources (stale): `pip install -e .` rebuilds it
             lib.g2e_certify.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int32] * 2 + [ctypes.c_void_p] * 5
             lib.g2e_certify.restype = ctypes.c_int
             lib.g2e_rows.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_double]
