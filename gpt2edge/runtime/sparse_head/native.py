@@ -67,8 +67,8 @@ def _library() -> ctypes.CDLL | None:
                 return None  # built from other sources (stale): `pip install -e .` rebuilds it
             lib.g2e_certify.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int32] * 2 + [ctypes.c_void_p] * 5
             lib.g2e_certify.restype = ctypes.c_int
-            lib.g2e_rows.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_double]
-            lib.g2e_rows.argtypes += [ctypes.c_void_p] * 8
+            sizes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int64, ctypes.c_int32, ctypes.c_double]
+            lib.g2e_rows.argtypes = sizes + [ctypes.c_void_p] * 8
             lib.g2e_rows.restype = ctypes.c_int
             lib.g2e_scratch_floats.argtypes = [ctypes.c_void_p]
             lib.g2e_scratch_floats.restype = ctypes.c_int64
@@ -81,7 +81,7 @@ LIBRARY = _library()
 
 @dataclass(frozen=True)
 class StepArrays:
-    """The step's own tables from the .npz (written by `gpt2edge sparse-head`, gpt2edge.sparse.fused)."""
+    """The step's own tables from the .npz (written by `gpt2edge sparse-head`: gpt2edge.sparse.guard.step_arrays)."""
 
     members: np.ndarray  # (G, S) int32 row ids
     group_table: np.ndarray  # (r_g + 2, G) float32
@@ -92,14 +92,17 @@ class StepArrays:
 
 def load_step_arrays(path: Path, vocab_size: int, width: int, rank: int) -> StepArrays | None:
     """The step's arrays, shapes checked; None when the .npz has none (a folder built before them)."""
-    with np.load(path, allow_pickle=False) as z:
-        if not all(name in z.files for name in STEP_ARRAYS):
-            return None
-        arrays = {name: z[name] for name in STEP_ARRAYS}
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if not all(name in z.files for name in STEP_ARRAYS):
+                return None
+            arrays = {name: z[name] for name in STEP_ARRAYS}
+    except (OSError, ValueError, EOFError) as e:  # load_table read the file just before: a race or a pickle
+        raise ModelFolderError(f"{path} cannot be read as the sparse step's tables ({e}); {FIX}.") from e
     mem, gt, gq, rows, coef = (arrays[n] for n in STEP_ARRAYS)
     G = len(mem) if mem.ndim == 2 else 0
     ok = (
-        mem.dtype == np.int32 and mem.ndim == 2 and G > 0 and mem.min() >= 0 and mem.max() < vocab_size
+        mem.dtype == np.int32 and mem.ndim == 2 and mem.size > 0 and mem.min() >= 0 and mem.max() < vocab_size
         and gq.dtype == np.float32 and gq.ndim == 2 and gq.shape[0] == width and 1 <= gq.shape[1] <= rank
         and gt.dtype == np.float32 and gt.shape == (gq.shape[1] + 2, G)
         and rows.dtype == np.float32 and rows.shape == (G, rank + 1, mem.shape[1])
