@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gpt2edge.runtime.model.mapped_graph import varint as _varint  # the protobuf varint, written once
+
 # protobuf field numbers (onnx.proto3): ModelProto.graph, GraphProto.initializer, TensorProto.raw_data
 _MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
 # external data offsets aligned to a page: ONNX Runtime can map them instead of copying
@@ -89,15 +91,6 @@ def tensor_array(init, base_dir: Path) -> np.ndarray:
         return numpy_helper.to_array(init)
     dtype = np.dtype(tensor_dtype_to_np_dtype(init.data_type)).newbyteorder("<")
     return np.frombuffer(bytearray(data), dtype=dtype).reshape(tuple(init.dims))
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def _key(field: int) -> bytes:

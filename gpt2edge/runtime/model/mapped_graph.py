@@ -38,6 +38,7 @@ def read_varint(buf: bytes, i: int) -> tuple[int, int]:
 
 
 def varint(n: int) -> bytes:
+    """n as a protobuf varint (also gpt2edge.onnx_io.stream's writer)."""
     out = bytearray()
     while True:
         byte, n = n & 0x7F, n >> 7
