@@ -1,6 +1,12 @@
-"""The certificate's cases, shared by the graph step's check (FusedReader.certified, tests/test_sparse_head.py) and
-the native one (g2e_rows, tests/test_sparse_native.py): both must take the same decisions. Four candidates
-(ids, logits), the bar, k, and whether the k best are certified (TIE = 1e-3)."""
+"""What tests/test_sparse_head.py (the graph's certified step) and tests/test_sparse_native.py (the native one)
+share: the certificate's cases, on which both checks must take the same decisions, and a parent's head table cut
+into small groups, so that most groups are left out of a step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Four candidates (ids, logits), the bar, k, and whether the k best are certified (TIE = 1e-3).
 
 NAN = float("nan")
 ONE_TWO = [5.0, 4.0, 1.0, 0.5]
@@ -15,3 +21,21 @@ CERTIFICATE_CASES = [
     ([3, 4, 5, 7], ONE_TWO, 3.9995, 2, False),
     ([3, 4, 5, 7], ONE_TWO, 0.0, 4, False),  # k must leave a runner-up among the K
 ]
+
+
+def small_groups(parent: Path, vocab_size: int, width: int):
+    """The parent folder's head table, bounded at rank 4 and cut into groups of 8 rows (16 clusters): the
+    standalone graph of the fused step (16 candidates from 4 groups) and the native step's arrays for the same
+    tables (gpt2edge.sparse.guard.step_arrays)."""
+    import onnx
+
+    from gpt2edge.sparse.bounds import bound_table
+    from gpt2edge.sparse.fused import group_rows, slack_scale, standalone
+    from gpt2edge.sparse.graph import split_head
+    from gpt2edge.sparse.guard import step_arrays
+
+    _, _, table = split_head(onnx.load(str(parent / "model.onnx")), vocab_size, width)
+    bounds = bound_table(table.dequantized(), 4)
+    groups = group_rows(bounds, bounds, size=8, clusters=16)
+    model = standalone(table, bounds, groups, slack_scale(bounds), 16, 4)
+    return model, step_arrays(bounds, groups, slack_scale(bounds))

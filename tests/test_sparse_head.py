@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sparse_cases import CERTIFICATE_CASES
+from sparse_cases import CERTIFICATE_CASES, small_groups
 
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.runtime.decoding.sampling import SamplingParams, softmax
@@ -220,17 +220,11 @@ def test_fused_group_bounds_hold(grid, gens, key):
 
     from gpt2edge.runtime.model.ort_session import create_session
     from gpt2edge.runtime.sparse_head.exact import TIE, HeadKernel
-    from gpt2edge.sparse.bounds import bound_table
-    from gpt2edge.sparse.fused import group_rows, slack_scale, standalone
-    from gpt2edge.sparse.graph import split_head
 
     parent, _ = grid[key]
     g = gens[key][1].graph
     V, C = g.folder.dims.vocab_size, g.folder.dims.n_embd
-    _, _, table = split_head(onnx.load(str(parent / "model.onnx")), V, C)
-    bounds = bound_table(table.dequantized(), 4)
-    groups = group_rows(bounds, bounds, size=8, clusters=16)
-    model = standalone(table, bounds, groups, slack_scale(bounds), 16, 4)
+    model, _ = small_groups(parent, V, C)
     path = parent.parent / f"fused-{'-'.join(key)}.onnx"
     onnx.save(model, str(path))
     sess = create_session(path, threads=1)

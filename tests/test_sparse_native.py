@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from sparse_cases import CERTIFICATE_CASES, ONE_TWO
+from sparse_cases import CERTIFICATE_CASES, ONE_TWO, small_groups
 
 from gpt2edge.errors import ModelFolderError
 from gpt2edge.runtime.generator import Generator
@@ -43,22 +43,9 @@ def test_stale_build_refused(monkeypatch):
 
 
 def _small_groups(parent, g):
-    """The parent's head table with small groups (8 rows, 16 clusters: most groups are left out of a step): the
-    standalone graph of the fused step, and the native step on the same tables."""
-    import onnx
-
-    from gpt2edge.sparse.bounds import bound_table
-    from gpt2edge.sparse.fused import group_rows, slack_scale, standalone
-    from gpt2edge.sparse.graph import split_head
-    from gpt2edge.sparse.guard import step_arrays
-
-    V, C = g.folder.dims.vocab_size, g.folder.dims.n_embd
-    _, _, table = split_head(onnx.load(str(parent / "model.onnx")), V, C)
-    bounds = bound_table(table.dequantized(), 4)
-    groups = group_rows(bounds, bounds, size=8, clusters=16)
-    arrays = step_arrays(bounds, groups, slack_scale(bounds))
-    step = native.StepArrays(*(arrays[n] for n in native.STEP_ARRAYS[:4]), float(arrays["slack_coef"]))
-    return standalone(table, bounds, groups, slack_scale(bounds), 16, 4), step
+    """sparse_cases.small_groups for graph g's folder, its arrays as the native step takes them."""
+    model, arrays = small_groups(parent, g.folder.dims.vocab_size, g.folder.dims.n_embd)
+    return model, native.StepArrays(*(arrays[n] for n in native.STEP_ARRAYS[:4]), float(arrays["slack_coef"]))
 
 
 @needs_library
