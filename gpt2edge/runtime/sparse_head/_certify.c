@@ -185,7 +185,7 @@ HOT static int certify_row(const g2e_tables *t, const float *h, int k, int64_t *
     }
 
     /* 2. the bound's terms */
-    vec_mat(he, t->q, C, r, hq);
+    axpy_rows(he, t->q, C, r, hq);  /* Q^T h: h (C,) times Q (C, r) */
     const double perp = perp_norm(he, t->qt, hq, C, r, proj);  /* the build scaled eps up for its rounding */
     double hmu = 0.0, hn = 0.0;
     for (int c = 0; c < C; c++) {
@@ -197,7 +197,7 @@ HOT static int certify_row(const g2e_tables *t, const float *h, int k, int64_t *
     if (rg == r) {
         memcpy(hqg, hq, sizeof(float) * r);
     } else {
-        vec_mat(he, t->qg, C, rg, hqg);
+        axpy_rows(he, t->qg, C, rg, hqg);
         perpg = perp_norm(he, t->qgt, hqg, C, rg, proj);
     }
     for (int j = 0; j < rg; j++) nq += (double)hqg[j] * hqg[j];

@@ -64,9 +64,6 @@ static inline void prefetch_span(const void *p, int64_t bytes) {
     __builtin_prefetch(c + bytes - 1);
 }
 
-/* the vector h (C,) times m (C, cols) -> out (cols,) float */
-static void vec_mat(const float *h, const float *m, int C, int cols, float *out) { axpy_rows(h, m, C, cols, out); }
-
 /* ||h - Q (Q^T h)|| with hq = Q^T h: the projection as r axpys over C (qt is Q^T, (r, C)), the norm in double */
 static double perp_norm(const float *h, const float *qt, const float *hq, int C, int r, float *proj) {
     axpy_rows(hq, qt, r, C, proj);
