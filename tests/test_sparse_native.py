@@ -210,3 +210,20 @@ def test_native_certificate_rules(sparse_grid):
     assert r.rows[0, 3] == 0.0 and r.rows[0, 4] == -1.0
     assert check([1, 2, 5, 7], ONE_TWO, 3.0, 1)
     np.testing.assert_array_equal(np.flatnonzero(np.isfinite(r.rows[0])), [1, 2, 5, 7])
+
+
+def test_threads_share_one_folder(sparse_grid):
+    """Generations in several threads on one loaded sparse folder: each LM has its own native step (scratch,
+    cached addresses) and reader, so each thread gets the tokens it gets alone, and the shared counters add up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = Generator(sparse_grid["shared", "int4"][1])
+    prompts = ["The river rose and", "A quiet", "Once upon", "In the"] * 2
+    kw = dict(max_new_tokens=24, ignore_eos=True)
+    alone = [g.generate(p, **kw).token_ids for p in prompts]
+    g.graph.reset_stats()
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: g.generate(p, **kw).token_ids, prompts))
+    assert together == alone
+    st = g.graph.stats
+    assert st.steps == 24 * len(prompts) and st.certified + st.fallbacks + st.skipped + st.full == st.steps
