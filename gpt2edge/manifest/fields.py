@@ -143,7 +143,7 @@ def check_io(graph: Fields, key: str) -> None:
 
 
 # quantization.recipe.target: the CPU a variant was tuned for (`quantize --target`); it runs on any CPU
-QUANTIZE_TARGETS = ("avx2", "avx512-vnni", "amx", "generic")
+QUANTIZE_TARGETS = ("avx2", "avx512-vnni", "amx", "generic", "arm64", "arm64-dotprod", "arm64-i8mm", "arm64-sve")
 
 
 def check_records(top: Fields) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.api_args import path_arg
+from gpt2edge.cpu_facts import target_note
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import check_present, load_manifest, resolve_inside, verify_files
 from gpt2edge.manifest.records import ATTENTION_OPS, GENERATION_CONFIG, GraphInfo, Manifest, ModelDims
@@ -46,6 +48,9 @@ class ModelFolder:
                 f"{path} is a shared-cache export from an older gpt2edge (its graph returns only the new "
                 "cache entries); export it again with --kv-cache shared."
             )
+        note = target_note(info.raw, str(path))  # an ARM folder for features this ARM CPU lacks: runs, slower
+        if note is not None:
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
         return cls(path=path, info=info)
 
     @property

@@ -10,6 +10,7 @@ from pathlib import Path
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
+from gpt2edge import cpu_facts
 from gpt2edge.errors import DeviceError, ModelFolderError
 from gpt2edge.runtime.model.mapped_graph import mapped_model
 
@@ -23,6 +24,20 @@ MAX_THREADS = max(os.cpu_count() or 1, 256)
 # transformer folds each cast into an fp32 copy of the weight kept beside the fp16 one (an fp16 gpt2-large session
 # peaked at 4.85 GB for 1.5 GB of fp16 weights). A lean session keeps the casts as runtime ops instead.
 FP16_FOLDING = "FuseFp16InitializerToFp32NodeTransformer"
+# ONNX Runtime's KleidiAI kernels on a CPU with SME: under emulated SME (QEMU `max`) DynamicQuantizeMatMul's
+# SME2 path gave wrong sums where MLAS's own NEON kernels and a NumPy reference agree (scripts/arm_sme_repro.py,
+# docs/arm.md); until real SME hardware says otherwise those CPUs run MLAS's kernels. GPT2EDGE_KLEIDIAI=1 keeps them.
+KLEIDIAI_KEY = "mlas.disable_kleidiai"
+
+
+def kleidiai_off(features: tuple[str, ...] | None = None, env: dict | None = None) -> bool:
+    """Whether sessions turn KleidiAI off: an SME CPU (HWCAP2), unless GPT2EDGE_KLEIDIAI=1 asks for it."""
+    env = os.environ if env is None else env
+    if env.get("GPT2EDGE_KLEIDIAI") == "1":
+        return False
+    if features is None:
+        features = cpu_facts.this_cpu().features
+    return "sme" in features
 
 
 def ort_message(e: BaseException) -> str:
@@ -134,6 +149,8 @@ def create_session(
     if threads:
         opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1  # one graph at a time: parallelism lives inside the matmuls
+    if device == "cpu" and kleidiai_off():
+        opts.add_session_config_entry(KLEIDIAI_KEY, "1")
     if device == "cpu":  # errors only (they become one-line errors here); CUDA keeps its log (why it fell back)
         opts.log_severity_level = 3
     if not spin:
