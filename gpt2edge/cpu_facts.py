@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+import sys
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -216,3 +217,11 @@ def arm32_message(machine: str | None = None) -> str | None:
             "OS (Raspberry Pi OS 64-bit, aarch64 Termux) and its python3."
         )
     return None
+
+
+def exit_on_arm32(machine: str | None = None) -> None:
+    """The CLI's start on a 32-bit ARM Python: `error:` and that line on stderr, exit status 1."""
+    line = arm32_message(machine)
+    if line is not None:
+        sys.stderr.write(f"error: {line}\n")
+        raise SystemExit(1)

@@ -105,12 +105,14 @@ inroot() {
 # 4. the venv: the runtime's dependencies and pytest from PyPI's aarch64 wheels (cached in aarch64-pip)
 SRC=$CACHE/aarch64-src
 mkdir -p "$SRC"
-if [ "$(cat "$ROOT/.gpt2edge-venv" 2>/dev/null)" != "$RECIPE" ]; then
-    say "creating the root's venv and installing the runtime's dependencies"
-    inroot neoverse-n1 /usr/bin/python3 -m venv --clear "$VENV"
-    inroot neoverse-n1 "$VENV/bin/python" -m pip install -q numpy 'onnxruntime>=1.23' 'tokenizers>=0.20' \
-        'click>=8.1' 'tqdm>=4.60' 'pytest>=8' setuptools wheel
-    echo "$RECIPE" >"$ROOT/.gpt2edge-venv"
+# the requirement list is the venv's stamp: a changed list installs again into the same venv (wheels cached)
+REQS="numpy onnxruntime>=1.23 tokenizers>=0.20 click>=8.1 tqdm>=4.60 pytest>=8 setuptools>=77 wheel"
+if [ "$(cat "$ROOT/.gpt2edge-venv" 2>/dev/null)" != "$RECIPE $REQS" ]; then
+    say "installing the runtime's dependencies into the root's venv"
+    [ -x "$ROOT$VENV/bin/python" ] || inroot neoverse-n1 /usr/bin/python3 -m venv "$VENV"
+    # shellcheck disable=SC2086  # one word per requirement
+    inroot neoverse-n1 "$VENV/bin/python" -m pip install -q --upgrade $REQS
+    echo "$RECIPE $REQS" >"$ROOT/.gpt2edge-venv"
 fi
 [ "${1:-}" = --root ] && { say "root ready: $ROOT"; exit 0; }
 
@@ -129,7 +131,8 @@ inroot neoverse-n1 pip install -q --no-deps --no-build-isolation -e /src
 
 # 6. the folders, made and run here on x86 (greedy ids and top-2 gaps recorded: scripts/aarch64_parity.py)
 say "making the parity folders on x86"
-PYTHONPATH=$REPO nice -n 10 "$HOSTPY" scripts/aarch64_parity.py make "$SRC/lane-parity" >/dev/null
+PYTHONPATH=$REPO nice -n 10 "$HOSTPY" scripts/aarch64_parity.py make "$SRC/lane-parity" >"$CACHE/parity-make.log" 2>&1 \
+    || { cat "$CACHE/parity-make.log"; say "making the parity folders failed"; exit 1; }
 
 # 7. per emulated CPU: the torch-free tests, the SME reproduction, and the parity check
 TESTS="tests/test_cpu_facts.py tests/test_arm_lane.py tests/test_trim_columns.py"

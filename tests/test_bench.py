@@ -249,3 +249,19 @@ def test_bench_times_beam_search_per_width(tiny_export_shared):
         assert r["step_ms"] > 0 and r["step_ms"] == pytest.approx(parts, rel=1e-6)  # one run: the sum itself
     bad = CliRunner().invoke(main, [*args, "--num-beams", "0"])
     assert bad.exit_code == 2 and "--num-beams" in bad.output
+
+
+def test_an_emulated_cpu_gets_no_floor_and_is_named_emulated(tiny_export, monkeypatch, llc):
+    """Under qemu-user (the aarch64 lane) the probes measure the host: bench says so instead of a floor."""
+    from gpt2edge.cpu_facts import CpuFacts
+
+    llc(1 << 20)  # the host's cache, which an emulated CPU must not report
+    qemu = CpuFacts("aarch64", "Neoverse-N1, emulated: the kernel is x86", ("asimd",), "the kernel is x86")
+    monkeypatch.setattr(bench_module, "this_cpu", lambda: qemu)
+    args = ("--prompt-len", "8", "--new-tokens", "4", "--repeat", "1")
+    rec = json.loads(bench(tiny_export, *args, "--json").stdout)
+    assert rec["cpu_emulated"] == "the kernel is x86" and rec["cpu"].startswith("Neoverse-N1, emulated")
+    assert rec["decode_floor_ms"] is None and rec["last_level_cache_bytes"] is None
+    assert rec["decode_floor_note"].startswith("emulated CPU") and "no speed figure" in rec["decode_floor_note"]
+    table = bench(tiny_export, *args).stdout
+    assert any(line.startswith("cpu") and "emulated" in line for line in table.splitlines())

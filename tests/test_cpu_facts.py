@@ -100,8 +100,11 @@ def test_a_target_this_arm_cpu_cannot_run_is_refused_naming_what_was_found(monke
     assert tg.check_target("avx2") == "avx2"  # another architecture's target: this CPU cannot speak for it
 
 
-def test_arm_recipes_reach_the_kernels_they_are_chosen_for():
+def test_arm_recipes_reach_the_kernels_they_are_chosen_for(monkeypatch):
     from gpt2edge.quantize.recipe import make_recipe
+
+    # made on x86 for a board (on an emulated ARM CPU the targets it lacks are refused: the test above)
+    monkeypatch.setattr(tg, "detect", lambda: tg.CpuReport("x86", (), ("generic",), ("generic",), "generic"))
 
     # without dotprod: the float path for 4-bit, DynamicQuantizeMatMul for 8-bit
     r = make_recipe("int4", target="arm64")
@@ -137,3 +140,13 @@ def test_a_folder_for_features_this_arm_cpu_lacks_gets_a_note_and_no_refusal():
     assert cf.target_note(manifest, "m", cf.facts(machine="x86_64", cpuinfo="")) is None  # ARM's folders on x86
     assert cf.target_note({"quantization": {"recipe": {"target": "avx2"}}}, "m", pi4) is None
     assert cf.target_note({}, "m", pi4) is None
+
+
+def test_the_cli_on_a_32_bit_arm_python_says_one_line_and_exits_1():
+    import subprocess
+    import sys
+
+    code = "import platform; platform.machine = lambda: 'armv7l'; import gpt2edge.cli"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("error: gpt2edge needs a 64-bit ARM (aarch64) Python") and done.stderr.count("\n") == 1

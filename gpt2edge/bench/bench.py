@@ -17,6 +17,7 @@ import numpy as np
 
 from gpt2edge.bench.probe import last_level_cache_bytes, matmul_gflops, read_bandwidth_gbs
 from gpt2edge.bench.workload import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT_LEN, BenchConfig, Workload, progress
+from gpt2edge.cpu_facts import this_cpu
 
 
 def floor_note(step_bytes: float, llc_bytes: int | None) -> str | None:
@@ -30,6 +31,13 @@ def floor_note(step_bytes: float, llc_bytes: int | None) -> str | None:
         f"the {step_bytes / 1e6:.2f} MB a decode step reads fit in the {llc_bytes / 1e6:.1f} MB last-level "
         "cache: memory bandwidth does not bound decode"
     )
+
+
+def emulated_note(why: str | None) -> str | None:
+    """The floor note of an emulated CPU (gpt2edge.cpu_facts: qemu-user on another architecture), else None."""
+    if why is None:
+        return None
+    return f"emulated CPU ({why}): timings, bandwidth and caches are the host's under emulation, no speed figure"
 
 
 def kv_bytes_per_step(dims: dict[str, Any], batch: int, context: float, itemsize: int) -> float:
@@ -89,13 +97,17 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=None) -> dict[str, Any]:
     bandwidths, gflops_runs = zip(*probes)
     decode_median = float(np.median(decode))
     bandwidth, gflops = max(bandwidths), max(gflops_runs)  # best of both probes, as each probe is a best-of
-    llc = last_level_cache_bytes()
-    note = floor_note(step_bytes, llc)
+    cpu = this_cpu()
+    # under an emulator (qemu-user) the caches, bandwidth and timings are the host's: no floor, no cache
+    llc = None if cpu.emulated else last_level_cache_bytes()
+    note = emulated_note(cpu.emulated) or floor_note(step_bytes, llc)
     floor_ms = None if note else step_bytes / (bandwidth * 1e9) * 1e3
     flops = prefill_flops(dims, cfg.batch, cfg.prompt_len)
     prefill_floor = flops / (gflops * 1e9) * 1e3
     return {
         "model": str(model_dir),
+        "cpu": cpu.name,
+        "cpu_emulated": cpu.emulated,  # why this CPU looks emulated, or null
         "precision": work.folder.precision,
         "kv_cache": work.folder.kv_cache,
         "vocab_size": dims["vocab_size"],
@@ -135,6 +147,7 @@ def bench_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     """The human-readable table of a bench record."""
     rows = [
         ("model", f"{r['model']} ({r['precision']}, {r['kv_cache']} KV cache)"),
+        ("cpu", r.get("cpu") or "?"),
         (
             "workload",
             "batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, {repeat} runs".format(**r["config"]),

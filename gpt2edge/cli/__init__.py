@@ -8,6 +8,10 @@ from gpt2edge.cli.interrupts import guard_startup
 
 guard_startup()  # before the heavy imports below: Ctrl-C while they load exits 130 without a traceback
 
+from gpt2edge.cpu_facts import exit_on_arm32  # noqa: E402
+
+exit_on_arm32()  # a 32-bit ARM Python has no onnxruntime: one line naming aarch64, before importing it
+
 from gpt2edge.cli import folders, generate, measure, serve, sparse  # noqa: E402, F401  (they register their commands)
 from gpt2edge.cli.common import main  # noqa: E402
 
