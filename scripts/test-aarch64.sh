@@ -98,7 +98,7 @@ inroot() {
         exec chroot "$R" /usr/bin/env -i HOME=/root PATH='"$VENV"'/bin:/usr/bin:/bin LANG=C.UTF-8 \
             QEMU_CPU="$cpu" PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180 \
             SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt PYTHONDONTWRITEBYTECODE=1 \
-            OMP_NUM_THREADS=1 GPT2EDGE_LANE_CPU="$cpu" "$@"
+            OMP_NUM_THREADS=1 GPT2EDGE_LANE_CPU="$cpu" GPT2EDGE_KLEIDIAI="${GPT2EDGE_KLEIDIAI:-}" "$@"
     ' inroot "$ROOT" "$info" "$PIPC" "$SRC" "$cpu" "$@"
 }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import warnings
 from pathlib import Path
 
@@ -68,3 +69,19 @@ def test_an_i8mm_folder_runs_here_with_a_note_where_i8mm_is_missing():
     notes = [str(w.message) for w in caught if "quantized for arm64-i8mm" in str(w.message)]
     assert bool(notes) == ("i8mm" in expected()[3])
     assert len(gen.generate("The quick", max_new_tokens=4, do_sample=False).token_ids) == 4
+
+
+def test_the_native_sparse_step_is_built_and_vectorised_with_neon():
+    """_certify.c's target_clones are x86-only; on aarch64 gcc -O3 vectorises its loops with NEON (baseline there)
+    and -ffp-contract=off keeps the sums' rounding x86's (the sparse folder's ids equal x86's: the parity check)."""
+    import shutil
+    import subprocess
+
+    from gpt2edge.runtime.sparse_head import native
+
+    lib = native._library()
+    assert lib is not None, "the native step was not built by pip install"
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump in this root")
+    code = subprocess.run(["objdump", "-d", lib._name], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"\bv\d+\.4s\b", code)  # instructions on 4-lane vectors (NEON's .4s arrangement)
