@@ -11,7 +11,6 @@ mlas.disable_kleidiai=1 match the reference to int8 rounding.
 
 from __future__ import annotations
 
-import struct
 import sys
 
 import numpy as np

@@ -149,4 +149,6 @@ def test_the_cli_on_a_32_bit_arm_python_says_one_line_and_exits_1():
     code = "import platform; platform.machine = lambda: 'armv7l'; import gpt2edge.cli"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.startswith("error: gpt2edge needs a 64-bit ARM (aarch64) Python") and done.stderr.count("\n") == 1
+    assert (
+        done.stderr.startswith("error: gpt2edge needs a 64-bit ARM (aarch64) Python") and done.stderr.count("\n") == 1
+    )
