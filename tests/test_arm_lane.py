@@ -85,3 +85,13 @@ def test_the_native_sparse_step_is_built_and_vectorised_with_neon():
         pytest.skip("no objdump in this root")
     code = subprocess.run(["objdump", "-d", lib._name], capture_output=True, text=True, check=True).stdout
     assert re.search(r"\bv\d+\.4s\b", code)  # instructions on 4-lane vectors (NEON's .4s arrangement)
+
+
+def test_memory_and_caches_read_from_what_arm_linux_exposes():
+    """The memory checks read MemAvailable, the cgroup limits and the page size (16 KiB on a Pi 5's kernel) the
+    same way on ARM; the caches sysfs shows under qemu-user are the host's, which bench does not report."""
+    from gpt2edge.memory import available_bytes
+    from gpt2edge.resources import available_memory
+
+    assert available_memory() > 0 and available_bytes() > 0
+    assert os.sysconf("SC_PAGE_SIZE") in (4096, 16384, 65536)
