@@ -25,7 +25,8 @@ mkdir -p "$work/src" "$work/dist"
 (cd "$repo" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$work/src" 2>/dev/null) \
     || (cd "$repo" && git ls-files -co --exclude-standard -z | while IFS= read -r -d '' f; do
             [ -e "$f" ] && cp --parents -t "$work/src" "$f"; done)
-"$PY" -m pip wheel --no-deps --quiet --disable-pip-version-check -w "$work/dist" "$work/src"
+"$PY" -m pip wheel --no-deps --quiet --disable-pip-version-check -w "$work/dist" "$work/src" 2>"$work/pip.err" \
+    || { cat "$work/pip.err"; exit 1; }
 wheel=$(ls "$work"/dist/gpt2edge-*.whl)
 echo "$(basename "$wheel"): $(du -h "$wheel" | cut -f1)"
 
@@ -34,7 +35,8 @@ say "installing it in a fresh venv"
 unset PYTHONPATH VIRTUAL_ENV PYTHONHOME
 "$PY" -m venv "$work/venv"
 vpy="$work/venv/bin/python"
-pip_q() { "$vpy" -m pip install -q --disable-pip-version-check "$@"; }
+# pip's own errors are shown; its warnings about this machine's index configuration are not
+pip_q() { "$vpy" -m pip install -q --disable-pip-version-check "$@" 2>"$work/pip.err" || { cat "$work/pip.err"; exit 1; }; }
 pip_q torch==2.13.0
 pip_q "$wheel[export,serve]"
 export PATH="$work/venv/bin:$PATH"

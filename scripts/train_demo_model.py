@@ -104,19 +104,35 @@ def main() -> None:
     tok = gpt2_tokenizer(args.tokenizer)
     train, val = encode(tok, train_files), encode(tok, held)
     digest = hashlib.sha256(train.tobytes() + val.tobytes()).hexdigest()[:16]
-    print(f"corpus: {len(train_files)} train / {len(held)} held-out files from {root}, "
-          f"{len(train):,} / {len(val):,} tokens, sha256[:16] {digest}", flush=True)
+    print(
+        f"corpus: {len(train_files)} train / {len(held)} held-out files from {root}, "
+        f"{len(train):,} / {len(val):,} tokens, sha256[:16] {digest}",
+        flush=True,
+    )
 
     # a small GPT-2: no dropout (a short run on ~1 epoch does not overfit), tied LM head as GPT-2 has
-    config = GPT2Config(vocab_size=50257, n_positions=args.ctx, n_embd=args.n_embd, n_layer=args.n_layer,
-                        n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=True)
+    config = GPT2Config(
+        vocab_size=50257,
+        n_positions=args.ctx,
+        n_embd=args.n_embd,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=EOT,
+        eos_token_id=EOT,
+        tie_word_embeddings=True,
+    )
     model = GPT2LMHeadModel(config)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
     warmup = max(1, args.steps // 30)
 
     def lr_at(step: int) -> float:
@@ -148,8 +164,11 @@ def main() -> None:
         log.write(f"{step + 1}\t{lr_at(step):.6f}\t{loss.item():.4f}\t{val_loss:.4f}\n")
         log.flush()
         if (step + 1) % 50 == 0 or last:
-            print(f"step {step + 1}/{args.steps} loss {ema:.3f} held-out {val_loss:.3f} "
-                  f"{(time.time() - t0) / (step + 1):.2f} s/step", flush=True)
+            print(
+                f"step {step + 1}/{args.steps} loss {ema:.3f} held-out {val_loss:.3f} "
+                f"{(time.time() - t0) / (step + 1):.2f} s/step",
+                flush=True,
+            )
 
     # the folder `gpt2edge export -m` reads: fp16 safetensors (half the clone size), config, GPT-2's BPE files
     train_loss = held_out_loss(model, train, args.ctx, n=64)
@@ -157,16 +176,44 @@ def main() -> None:
     model.half().save_pretrained(args.out, safe_serialization=True)
     for name in ("vocab.json", "merges.txt"):
         shutil.copyfile(args.tokenizer / name, args.out / name)
-    (args.out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-        "unk_token": "<|endoftext|>", "add_prefix_space": False, "model_max_length": args.ctx}, indent=2) + "\n")
-    (args.out / "training.json").write_text(json.dumps({
-        "python": sys.version.split()[0], "torch": torch.__version__, "steps": args.steps, "batch": args.batch,
-        "ctx": args.ctx, "lr": args.lr, "seed": args.seed, "threads": args.threads,
-        "train_files": len(train_files), "held_out_files": len(held), "train_tokens": int(len(train)),
-        "held_out_tokens": int(len(val)), "corpus_sha256_16": digest,
-        "final_train_loss": round(train_loss, 4), "final_held_out_loss": round(val_loss, 4),
-        "minutes": round((time.time() - t0) / 60, 1)}, indent=2) + "\n")
+    (args.out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "GPT2Tokenizer",
+                "bos_token": "<|endoftext|>",
+                "eos_token": "<|endoftext|>",
+                "unk_token": "<|endoftext|>",
+                "add_prefix_space": False,
+                "model_max_length": args.ctx,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    (args.out / "training.json").write_text(
+        json.dumps(
+            {
+                "python": sys.version.split()[0],
+                "torch": torch.__version__,
+                "steps": args.steps,
+                "batch": args.batch,
+                "ctx": args.ctx,
+                "lr": args.lr,
+                "seed": args.seed,
+                "threads": args.threads,
+                "train_files": len(train_files),
+                "held_out_files": len(held),
+                "train_tokens": int(len(train)),
+                "held_out_tokens": int(len(val)),
+                "corpus_sha256_16": digest,
+                "final_train_loss": round(train_loss, 4),
+                "final_held_out_loss": round(val_loss, 4),
+                "minutes": round((time.time() - t0) / 60, 1),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"done: train loss {train_loss:.3f}, held-out loss {val_loss:.3f} -> {args.out}", flush=True)
 
 
