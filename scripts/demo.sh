@@ -17,9 +17,12 @@ echo "--- $model: a 7M-parameter GPT-2 trained on CPython's standard library; it
 gpt2edge export -m "$model" "$out/fp32" --force
 gpt2edge quantize "$out/fp32" -o "$out/int8" --mode int8 --text "$text" --force
 echo "--- generating: fp32, then int8 (same seed) ---"
-prompt=$'import os\nimport sys\n\n\ndef '
-gpt2edge generate "$out/fp32" -p "$prompt" -n 64 --do-sample --temperature 0.7 --top-k 40 --seed 7
-gpt2edge generate "$out/int8" -p "$prompt" -n 64 --do-sample --temperature 0.7 --top-k 40 --seed 7
+# sampled with a repetition penalty: greedy decoding of a model this small collapses into runs of spaces (GPT-2's
+# BPE spends one token per space of indentation; models/gpt2-stdlib-mini/README.md)
+prompt=$'import os\nimport sys\n\n\ndef'
+sample=(-n 64 --do-sample --temperature 0.6 --top-k 40 --repetition-penalty 1.2 --seed 8)
+gpt2edge generate "$out/fp32" -p "$prompt" "${sample[@]}"
+gpt2edge generate "$out/int8" -p "$prompt" "${sample[@]}"
 echo "--- speculative decoding (prompt lookup, greedy): continuing a file that repeats its own names ---"
 gpt2edge export -m "$model" "$out/fp32-tail" --head tail --no-validate --force
 head -c 1500 "$text" > "$out/prompt.py"
