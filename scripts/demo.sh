@@ -11,8 +11,9 @@ bash scripts/setup.sh
 . .venv/bin/activate
 out=${1:-out/demo}
 model=${DEMO_MODEL:-models/gpt2-stdlib-mini}
-# Python this model has not seen (the project's own source) for the quality report and as a prompt
-text=gpt2edge/runtime/generator.py
+# a standard-library file the training held out (one in 50 by sorted path: scripts/train_demo_model.py), for the
+# quality report and as the speculative prompt
+text="$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')/asyncio/tasks.py"
 echo "--- $model: a 7M-parameter GPT-2 trained on CPython's standard library; it writes Python-looking code ---"
 gpt2edge export -m "$model" "$out/fp32" --force
 gpt2edge quantize "$out/fp32" -o "$out/int8" --mode int8 --text "$text" --force
@@ -25,7 +26,8 @@ gpt2edge generate "$out/fp32" -p "$prompt" "${sample[@]}"
 gpt2edge generate "$out/int8" -p "$prompt" "${sample[@]}"
 echo "--- speculative decoding (prompt lookup, greedy): continuing a file that repeats its own names ---"
 gpt2edge export -m "$model" "$out/fp32-tail" --head tail --no-validate --force
-head -c 1500 "$text" > "$out/prompt.py"
-gpt2edge generate "$out/fp32-tail" --prompt-file "$out/prompt.py" -n 48 --greedy --prompt-lookup 3
+head -c 1100 "$text" > "$out/prompt.py"
+gpt2edge generate "$out/fp32-tail" --prompt-file "$out/prompt.py" --truncate -n 48 --greedy --repetition-penalty 1.2 \
+    --prompt-lookup 3
 echo "--- bench (fp32) ---"
 gpt2edge bench "$out/fp32" --prompt-len 128 --new-tokens 64 --repeat 3
