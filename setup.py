@@ -93,4 +93,5 @@ class BuildPyWithWeb(build_py):
             shutil.copyfile(WEB / rel, target)
 
 
-setup(cmdclass={"build_py": BuildPyWithWeb})
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import web_files() from it
+    setup(cmdclass={"build_py": BuildPyWithWeb})
