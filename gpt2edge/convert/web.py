@@ -38,7 +38,13 @@ RUNTIME_FILES = ("folder.js", "generator.js", "model.js", "page.js", "rng.js", "
 
 
 def web_package_dir() -> Path:
-    """The repository's web/ folder (gpt2edge's JS runtime and its npm packages)."""
+    """Where gpt2edge's JS runtime and its pinned npm files are: the installed package's data (gpt2edge/_web,
+    which setup.py's build hook puts in the wheel), else a source checkout's web/ folder."""
+    from importlib.resources import files
+
+    installed = files("gpt2edge") / "_web"
+    if installed.is_dir() and (installed / "package.json").is_file():
+        return Path(str(installed))
     return Path(__file__).resolve().parents[2] / "web"
 
 
@@ -80,8 +86,8 @@ def _package_files() -> dict[str, Path]:
     modules = web / "node_modules"
     if not (web / "package.json").is_file():
         raise ConvertError(
-            f"gpt2edge's web runtime is not at {web}; `convert --format web` runs from a source checkout (git clone, "
-            "then bash scripts/setup.sh)."
+            f"gpt2edge's web runtime is not at {web}: this install has no gpt2edge/_web (the wheel carries it; an "
+            "editable install uses the checkout's web/): reinstall from a wheel, or run bash scripts/setup.sh."
         )
     files = {PAGE: web / PAGE, "serve.py": web / "serve.py"}
     files.update({f"{RUNTIME_DIR}/{n}": web / "src" / n for n in RUNTIME_FILES})
