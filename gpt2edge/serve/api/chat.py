@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpt2edge.serve.api.completions import Meta, respond
 from gpt2edge.serve.api.http import read_body
 from gpt2edge.serve.api.protocol import ApiError, CompletionRequest, SamplingFields, StreamOptions, parse_body
+from gpt2edge.serve.hosting.config import MAX_TOP_LOGPROBS
 from gpt2edge.serve.scheduling.logprobs import FLOOR, TokenEntry
 from gpt2edge.serve.scheduling.plan import Plan
 
@@ -47,11 +48,12 @@ class ChatRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI's chat cap (completions': 5)
 
 
 class ChatShape:
     prefix, obj = "chatcmpl", "chat.completion.chunk"
+    max_logprobs = MAX_TOP_LOGPROBS
 
     def logprobs(self, plan: Plan, entries: list[TokenEntry] | None) -> dict | None:
         """Chat's logprobs object: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""

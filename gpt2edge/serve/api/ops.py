@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -16,7 +18,13 @@ router = APIRouter()
 
 
 class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: one text (a list is a completion's prompt form, not this endpoint's)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+    hints: ClassVar[dict[str, str]] = {
+        "prompt": "prompt must be one string (send one /tokenize request per text).",
+        "content": "content must be one string (send one /tokenize request per text).",
+    }
     prompt: str | None = None
     content: str | None = None  # llama-server's name for it
     model: str | None = None

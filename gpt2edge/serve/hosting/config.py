@@ -8,6 +8,7 @@ from gpt2edge.errors import ServeError
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences per request
 MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` (the top alternatives reported per token)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat's `top_logprobs`
 SCHEDULERS = ("continuous", "next-batch")
 # rows decoded together unless --max-batch says otherwise (fewer when memory would not hold their KV cache):
 # room for 64 closed-loop clients without a queue; tuning against the CPU's compute-bound point: docs/serve.md
@@ -25,7 +26,7 @@ class ServeConfig:
 
     Connection limits (uvicorn, serve/hosting/limits.py): a request's headers must arrive within header_timeout_s and
     its body within body_timeout_s (else 408); at most max_connections are open (one more gets 503 and is
-    closed); headers past max_header_bytes get 400; an idle keep-alive connection is closed after keep_alive_s.
+    closed); a request head past max_header_bytes gets 431; an idle keep-alive connection is closed after keep_alive_s.
     A stream whose client lets more than max_buffered_events go unread is dropped with an error event. On
     shutdown, running requests get shutdown_timeout_s to finish. api_key: requests need `Authorization: Bearer
     <key>` (401 otherwise); /health and /metrics stay open.
@@ -81,3 +82,6 @@ class ServeConfig:
             raise ServeError(f"--max-header-kb must be >= 1, got {self.max_header_bytes / 1024:g}.")
         if self.api_key is not None and (not self.api_key.strip() or not self.api_key.isprintable()):
             raise ServeError("--api-key must be printable and not empty (it is compared with the Bearer token).")
+        if self.api_key is not None and not self.api_key.isascii():
+            # HTTP header values arrive as bytes (read as latin-1): a non-ASCII key could never be matched
+            raise ServeError("--api-key must be ASCII (an HTTP header carries it; a non-ASCII key never matches).")

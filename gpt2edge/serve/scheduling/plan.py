@@ -38,14 +38,14 @@ def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
         raise ApiError(400, "stream_options is only allowed with stream: true.", "stream_options", "invalid_value")
 
 
-def _check_logprobs(req: CompletionRequest) -> None:
-    """0 .. MAX_LOGPROBS, and not with echo: the runtime scores generated tokens, not the prompt's."""
+def _check_logprobs(req: CompletionRequest, cap: int) -> None:
+    """0 .. cap, and not with echo: the runtime scores generated tokens, not the prompt's."""
     if req.logprobs is None:
         return
-    if req.logprobs > MAX_LOGPROBS:
+    if req.logprobs > cap:
         raise ApiError(
             400,
-            f"logprobs must be at most {MAX_LOGPROBS} on this server (OpenAI's limit), got {req.logprobs}.",
+            f"logprobs must be at most {cap} on this server (OpenAI's limit), got {req.logprobs}.",
             "logprobs",
             "invalid_value",
         )
@@ -105,10 +105,14 @@ class ModelLimits:
 
 
 def plan_request(
-    req: CompletionRequest, config: ServeConfig, limits: ModelLimits, prompts: list[str] | None = None
+    req: CompletionRequest,
+    config: ServeConfig,
+    limits: ModelLimits,
+    prompts: list[str] | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> Plan:
     """Check the request against the model and the server's limits; encode the prompts (`prompts`: the ones a
-    chat template rendered, instead of req.prompt)."""
+    chat template rendered, instead of req.prompt; max_logprobs: the endpoint's cap on alternatives)."""
     max_rows, n_positions = limits.max_rows, limits.n_positions
     if req.model is not None and req.model != config.model_name:
         raise ApiError(
@@ -134,7 +138,7 @@ def plan_request(
             "n",
             "invalid_value",
         )
-    _check_logprobs(req)
+    _check_logprobs(req, max_logprobs)
     stop = _stop_strings(req.stop)
     max_tokens = _max_tokens(req, n_positions)
     if req.min_tokens is not None and req.min_tokens > max_tokens:
