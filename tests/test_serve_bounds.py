@@ -5,6 +5,8 @@ slip past the header cap or frame their body twice, and streams cut at shutdown 
 
 from __future__ import annotations
 
+import asyncio
+import re
 import shutil
 
 import pytest
@@ -16,8 +18,25 @@ from test_serve import post, running  # noqa: E402
 
 from gpt2edge.errors import ServeError  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
+from gpt2edge.serve.api.protocol import ApiError  # noqa: E402
 
-TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+# one template, many behaviours: the last message's content picks a way to amplify or to fail
+TEMPLATE = """{% set last = messages[-1].content %}
+{% if last == 'amplify' %}{% for m in messages %}{% for i in range(m.content|int) %}x{% endfor %}{% endfor %}
+{% elif last == 'nested' %}{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}
+{% elif last == 'multiply' %}{{ 'x' * 10**9 }}
+{% elif last == 'center' %}{{ last|center(10**8) }}
+{% elif last == 'indent' %}{{ 'a\nb\nc'|indent(10**8) }}
+{% elif last == 'join' %}{{ messages|map(attribute='content')|join('x' * 10**6) }}
+{% elif last == 'format' %}{{ '{:>999999999}'.format('x') }}
+{% elif last == 'double' %}{% set ns = namespace(s='xy') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}\
+{% endfor %}{{ ns.s|length }}
+{% elif last == 'recurse' %}{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}
+{% elif last == 'range' %}{{ range(10**9)|length }}
+{% elif last == 'include' %}{% include 'other.jinja' %}
+{% elif last == 'raise' %}{{ raise_exception('roles must alternate') }}
+{% else %}{% for m in messages %}{{ m.role }}: {{ m.content }}
+{% endfor %}{% endif %}assistant:"""
 USER = [{"role": "user", "content": "Hello there"}]
 
 
@@ -31,7 +50,7 @@ def chat_folder(tiny_export, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(chat_folder):
-    with running(chat_folder, max_batch=8) as (url, scheduler):
+    with running(chat_folder, max_batch=8, template_timeout_s=1.0) as (url, scheduler):
         yield url, scheduler
 
 
@@ -130,3 +149,74 @@ def test_chat_top_logprobs_goes_to_20_and_is_refused_under_its_own_name(server):
     # the legacy completions endpoint keeps OpenAI's cap of 5 for `logprobs`
     assert error_of(post(url, {"prompt": "a", "logprobs": 6}))["param"] == "logprobs"
 
+
+# ---- chat templates: bounded, off the event loop, every failure a 400 ------------------------------------------
+
+BOUND = "renders more than|more than 512 MiB"
+TEMPLATE_CASES = {
+    # BOUND: its output cut at the byte limit, or its memory budget, whichever comes first
+    # the attack's own: 1,024 messages of "99999" looped over, 50 KB of body
+    "amplify": ([{"role": "user", "content": "99999"}] * 1023, "template_limit", BOUND),
+    "nested": ([], "template_limit", "ran past its 1 s"),
+    "multiply": ([], "template_limit", BOUND),
+    "center": ([], "template_limit", BOUND),
+    "indent": ([], "template_limit", BOUND),
+    "join": ([{"role": "user", "content": "a"}] * 1023, "template_limit", BOUND),
+    "format": ([], "template_limit", BOUND),
+    "double": ([], "template_limit", BOUND),
+    "recurse": ([], "template_error", "recursed too deep"),
+    "range": ([], "template_error", "OverflowError"),
+    "include": ([], "template_error", "loader"),
+    "raise": ([], "template_error", "roles must alternate"),
+}
+
+
+@pytest.mark.parametrize("case", list(TEMPLATE_CASES))
+def test_an_amplifying_or_failing_template_is_a_400_that_says_why(server, case):
+    before, code, words = TEMPLATE_CASES[case]
+    messages = [*before, {"role": "user", "content": case}]
+    r = httpx.post(server[0] + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=60)
+    err = error_of(r)
+    assert (err["code"], err["param"]) == (code, "messages") and re.search(words, err["message"]), err
+    # the sandbox lives on: the next render is an ordinary one
+    ok = httpx.post(server[0] + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_slow_render_leaves_the_event_loop_free(server):
+    """While a template grinds through 10**10 loop turns (the worker stops it at its deadline), /health
+    answers: it comes back first."""
+
+    async def race(url):
+        order = []
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+
+            async def chat():
+                r = await client.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "user", "content": "nested"}]}
+                )
+                order.append(("chat", r.status_code))
+
+            async def health():
+                await asyncio.sleep(0.2)  # the render is under way
+                r = await client.get("/health")
+                order.append(("health", r.status_code))
+
+            await asyncio.gather(chat(), health())
+        return order
+
+    assert asyncio.run(race(server[0])) == [("health", 200), ("chat", 400)]
+
+
+def test_a_render_stuck_in_one_c_call_is_killed_and_the_sandbox_respawns():
+    """`10 ** (10 ** 9)` never reaches a bytecode boundary for the interrupt: the process is ended and replaced."""
+    from gpt2edge.serve.api.chat_template import ChatTemplate, TemplateSandbox
+
+    sandbox = TemplateSandbox(timeout_s=0.5)
+    try:
+        with pytest.raises(ApiError, match="exhausted its process") as e:
+            sandbox.render(ChatTemplate("{{ (10 ** (10 ** 9)) > 1 }}", {}), USER, 1 << 16)
+        assert e.value.status == 400 and e.value.code == "template_limit"
+        assert sandbox.render(ChatTemplate("{{ messages[0].content }}!", {}), USER, 1 << 16) == "Hello there!"
+    finally:
+        sandbox.close()

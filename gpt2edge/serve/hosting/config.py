@@ -49,6 +49,7 @@ class ServeConfig:
     shutdown_timeout_s: float = 10.0
     api_key: str | None = None
     chat_template: str | None = None  # a jinja file for /v1/chat/completions, instead of the folder's own
+    template_timeout_s: float = 2.0  # the longest one chat-template render may take (serve/api/chat_template.py)
 
     def __post_init__(self) -> None:
         # each bound named with the flag that sets it, before any model is loaded
@@ -76,6 +77,8 @@ class ServeConfig:
                 raise ServeError(f"{flag} must be in (0, 3600] seconds, got {value}.")
         if not 0 <= self.shutdown_timeout_s <= 3600:
             raise ServeError(f"--shutdown-timeout must be in [0, 3600] seconds, got {self.shutdown_timeout_s}.")
+        if not 0 < self.template_timeout_s <= 60:
+            raise ServeError(f"template_timeout_s must be in (0, 60] seconds, got {self.template_timeout_s}.")
         if self.max_connections < 1:
             raise ServeError(f"--max-connections must be >= 1, got {self.max_connections}.")
         if self.max_header_bytes < 1024:

@@ -75,7 +75,8 @@ class Scheduler:
 
     def limits(self) -> ModelLimits:
         vocab = int(self.generator.graph.vocab_size)
-        return ModelLimits(self.n_positions, self.max_rows, vocab, self.encode, self.row_extras, self._rows_why)
+        return ModelLimits(self.n_positions, self.max_rows, vocab, self.encode, self.row_extras, self._rows_why,
+                           getattr(self.tokenizer, "max_token_bytes", lambda: None)())  # fmt: skip
 
     def encode(self, prompt: str) -> list[int]:
         """A prompt's token ids; GPT-2 starts an empty one from <|endoftext|>, as the runtime does."""
