@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+import threading
 
 import pytest
 
@@ -220,3 +221,53 @@ def test_a_render_stuck_in_one_c_call_is_killed_and_the_sandbox_respawns():
         assert sandbox.render(ChatTemplate("{{ messages[0].content }}!", {}), USER, 1 << 16) == "Hello there!"
     finally:
         sandbox.close()
+
+
+# ---- tokenizing: far-over prompts refused from their bytes, the rest off the event loop ------------------------
+
+
+def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(server, monkeypatch):
+    url, scheduler = server
+    calls = []
+    encode = scheduler.encode
+    monkeypatch.setattr(scheduler, "encode", lambda text: calls.append(len(text)) or encode(text))
+    big = "The weather today " * 20_000  # 360 KB: a token covers at most max_token_bytes of it
+    for body in ({"prompt": big}, {"prompt": ["a", big]}, {"prompt": "a" * 5000, "max_tokens": 1}):
+        err = error_of(post(url, body))
+        assert err["code"] == "context_length_exceeded" and "at least" in err["message"], err
+    chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": big}]}, timeout=60)
+    assert error_of(chat)["code"] in ("context_length_exceeded", "template_limit")
+    assert calls == []  # the tokenizer never saw them
+    assert post(url, {"prompt": "a", "max_tokens": 1}).status_code == 200 and calls == [1]
+
+
+def test_tokenize_runs_off_the_event_loop(server, monkeypatch):
+    """A tokenizer busy with a long text (held here until /health has answered) stalls nobody else."""
+    url, scheduler = server
+    answered = threading.Event()
+    encode = scheduler.tokenizer.encode
+
+    def slow_encode(text):
+        answered.wait(20)  # on the event loop this would hold /health back, and the order below would flip
+        return encode(text)
+
+    monkeypatch.setattr(scheduler.tokenizer, "encode", slow_encode)
+
+    async def race():
+        order = []
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+
+            async def tokenize():
+                r = await client.post("/tokenize", json={"prompt": "a b c"})
+                order.append(("tokenize", r.status_code))
+
+            async def health():
+                await asyncio.sleep(0.2)
+                r = await client.get("/health")
+                order.append(("health", r.status_code))
+                answered.set()
+
+            await asyncio.gather(tokenize(), health())
+        return order
+
+    assert asyncio.run(race()) == [("health", 200), ("tokenize", 200)]
