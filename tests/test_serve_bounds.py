@@ -271,3 +271,71 @@ def test_tokenize_runs_off_the_event_loop(server, monkeypatch):
         return order
 
     assert asyncio.run(race()) == [("health", 200), ("tokenize", 200)]
+
+
+# ---- HTTP heads: capped however they arrive, one body framing only ---------------------------------------------
+
+
+def _raw(url: str, pieces: list[bytes]) -> bytes:
+    from test_serve_hardening import connect, read_all
+
+    s = connect(url)
+    try:
+        for piece in pieces:
+            s.sendall(piece)
+    except (BrokenPipeError, ConnectionResetError) as e:  # the server closed before reading it all: a reset
+        raise AssertionError(f"the server reset the connection mid-request ({e})") from None
+    answer = read_all(s)
+    s.close()
+    return answer
+
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+BODY = b'{"prompt": "a", "max_tokens": 1}'
+
+
+@pytest.fixture(scope="module")
+def small_heads(tiny_export):
+    with running(tiny_export, max_header_bytes=2048) as (url, _):
+        yield url
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [HEAD + b"x-big: " + b"a" * 60_000 + b"\r\n\r\n"],  # one piece, 30 times the cap
+        [HEAD + b"x-big: " + b"a" * (1 << 20) + b"\r\n\r\n"],  # a megabyte: answered, not reset
+        [HEAD + b"".join(b"x-h%d: %s\r\n" % (i, b"v" * 40) for i in range(60)) + b"\r\n"],  # many small headers
+        [HEAD + b"x-big: " + b"a" * 1500, b"a" * 1500 + b"\r\n\r\n"],  # split: the cap counts both pieces
+        [HEAD + b"x-big: " + b"a" * 4000],  # never finished
+        [b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" + b"GET /health HTTP/1.1\r\nx: " + b"a" * 4000 + b"\r\n\r\n"],
+    ],
+    ids=["60KB-one-piece", "1MB-one-piece", "many-headers", "split", "unfinished", "pipelined-second"],
+)
+def test_a_head_over_the_cap_gets_431_however_it_arrives(small_heads, pieces):
+    answer = _raw(small_heads, pieces)
+    assert b"HTTP/1.1 431 " in answer and b"--max-header-kb" in answer, answer[:300]
+    assert post(small_heads, {"prompt": "a", "max_tokens": 1}).status_code == 200
+
+
+def test_a_head_under_the_cap_is_served(small_heads):
+    head = HEAD + b"x-fill: " + b"a" * 1500 + b"\r\ncontent-length: %d\r\n\r\n" % len(BODY)
+    assert _raw(small_heads, [head + BODY]).startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [
+        b"content-length: 5\r\ntransfer-encoding: chunked\r\n",
+        b"Transfer-Encoding: chunked\r\nContent-Length: 33\r\n",
+        b"TRANSFER-ENCODING: chunked\r\nCONTENT-LENGTH: 0\r\n",
+        b"content-length: 33\r\ntransfer-encoding: gzip, chunked\r\n",
+    ],
+)
+def test_content_length_with_transfer_encoding_is_refused(small_heads, framing):
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
+    answer = _raw(small_heads, [HEAD + framing + b"\r\n" + chunked])
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"HTTP/1.1 200" not in answer, answer[:300]
+    assert b"RFC 9112" in answer or b"gzip" in framing  # h11 itself refuses a coding it does not speak
+    # chunked alone is an ordinary request
+    assert _raw(small_heads, [HEAD + b"transfer-encoding: chunked\r\n\r\n" + chunked]).startswith(b"HTTP/1.1 200 ")

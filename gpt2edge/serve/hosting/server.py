@@ -100,7 +100,7 @@ def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvico
         port=port,
         log_level=log_level,
         lifespan="on",
-        http=limited_protocol(limits.header_timeout_s, connection_cap(limits.max_connections)),
+        http=limited_protocol(limits.header_timeout_s, connection_cap(limits.max_connections), limits.max_header_bytes),
         h11_max_incomplete_event_size=limits.max_header_bytes,
         timeout_keep_alive=limits.keep_alive_s,
         timeout_graceful_shutdown=limits.shutdown_timeout_s,
