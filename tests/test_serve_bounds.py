@@ -339,3 +339,45 @@ def test_content_length_with_transfer_encoding_is_refused(small_heads, framing):
     assert b"RFC 9112" in answer or b"gzip" in framing  # h11 itself refuses a coding it does not speak
     # chunked alone is an ordinary request
     assert _raw(small_heads, [HEAD + b"transfer-encoding: chunked\r\n\r\n" + chunked]).startswith(b"HTTP/1.1 200 ")
+
+
+# ---- shutdown: streams past --shutdown-timeout end with an error event, not a cut ----------------------------
+
+
+def test_streams_past_the_shutdown_timeout_end_with_an_error_event(tiny_export, capfd):
+    from test_serve import SlowContinuous, parse_sse
+
+    from gpt2edge.runtime import Generator
+    from gpt2edge.serve.api.app import create_app
+    from gpt2edge.serve.hosting.server import BackgroundServer
+
+    config = ServeConfig(model_name="tiny", shutdown_timeout_s=0.3)
+    scheduler = SlowContinuous(Generator(tiny_export), config)
+    scheduler.delay = 0.05  # 100 tokens: 5 s a stream, far past the 0.3 s the shutdown allows
+    server = BackgroundServer(create_app(lambda: scheduler, config))
+    url = server.__enter__()
+    started = [threading.Event() for _ in range(4)]
+    events: list[list] = [[] for _ in started]
+
+    def stream(i: int) -> None:
+        body = {"prompt": "a", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                events[i] += parse_sse([line])
+                started[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(started))]
+    for t in threads:
+        t.start()
+    try:
+        assert all(s.wait(30) for s in started)
+    finally:
+        server.stop()  # what SIGTERM does
+        server.__exit__(None, None, None)
+        for t in threads:
+            t.join(30)
+    for got in events:
+        assert "[DONE]" not in got and got[-1]["error"]["code"] == "shutting_down", got[-1]
+        assert any(e.get("choices") for e in got[:-1])  # text went out before the shutdown
+    err = capfd.readouterr().err
+    assert "CancelledError" not in err and "Traceback" not in err, err

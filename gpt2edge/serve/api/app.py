@@ -125,6 +125,14 @@ def drain(app) -> None:
         scheduler.drain()
 
 
+def abort(app) -> None:
+    """The graceful time is spent: every job still queued or decoding ends now with an error event, so its
+    stream closes whole (an error event, not a cut) before the server cancels what is left. Blocks briefly."""
+    scheduler = getattr(getattr(app, "state", None), "scheduler", None)
+    if scheduler is not None:
+        scheduler.stop()
+
+
 def _model_card(request: Request, config: ServeConfig) -> dict:
     scheduler = ready_scheduler(request)
     card = {

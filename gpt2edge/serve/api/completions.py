@@ -129,7 +129,8 @@ def _submit(scheduler: Scheduler, job: Job) -> None:
 
 
 def failed(event: Failure) -> ApiError:
-    return ApiError(500, event.message, None, event.code, "server_error")
+    status = 503 if event.code == "shutting_down" else 500  # a shutdown is worth retrying elsewhere
+    return ApiError(status, event.message, None, event.code, "server_error")
 
 
 async def _stream(job: Job, events: EventBuffer, plan: Plan, meta: Meta, shape: Shape) -> AsyncIterator[bytes]:
@@ -173,9 +174,7 @@ async def _gather(job: Job, events: EventBuffer) -> tuple[list[str], list[str], 
     return texts, reasons, tokens, completion_tokens
 
 
-async def _collect(
-    request: Request, job: Job, events: EventBuffer, plan: Plan, meta: Meta, shape: Shape
-) -> Response:
+async def _collect(request: Request, job: Job, events: EventBuffer, plan: Plan, meta: Meta, shape: Shape) -> Response:
     """Wait for every choice, or for the client to leave (then its rows are freed and nobody gets an answer)."""
     result = asyncio.ensure_future(_gather(job, events))
     gone = asyncio.ensure_future(wait_disconnect(request.receive))

@@ -114,7 +114,8 @@ class Scheduler:
             pending = list(self._waiting) + self._running
             self._waiting.clear()
             self._cond.notify()
-        fail(pending, "The server is shutting down; retry on another replica or later.")
+        fail(pending, "The server shut down before this request finished; retry on another replica or later.",
+             "shutting_down")  # fmt: skip
         for job in pending:
             job.cancel()  # the running batch sees every row cancelled at its next step and ends
         if self._thread.is_alive():
