@@ -96,7 +96,12 @@ async def chat_completions(request: Request) -> Response:
     scheduler = ready_scheduler(request)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     # the template is untrusted code: rendered off the event loop, in its bounded process (chat_template.py)
-    prompt = await anyio.to_thread.run_sync(_render, request.app.state.templates, scheduler, config, messages)
+    # renders take turns in the one worker: the others wait here, not in (and starving) the shared thread pool
+    state = request.app.state
+    if getattr(state, "template_turns", None) is None:
+        state.template_turns = anyio.CapacityLimiter(1)
+    prompt = await anyio.to_thread.run_sync(_render, state.templates, scheduler, config, messages,
+                                            limiter=state.template_turns)  # fmt: skip
     fields = req.model_dump(include=set(SamplingFields.model_fields))  # the fields a completion shares
     fields["max_tokens"] = req.max_completion_tokens or req.max_tokens
     fields["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None

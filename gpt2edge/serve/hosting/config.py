@@ -29,7 +29,8 @@ class ServeConfig:
     closed); a request head past max_header_bytes gets 431; an idle keep-alive connection is closed after keep_alive_s.
     A stream whose client lets more than max_buffered_events go unread is dropped with an error event. On
     shutdown, running requests get shutdown_timeout_s to finish. api_key: requests need `Authorization: Bearer
-    <key>` (401 otherwise); /health and /metrics stay open.
+    <key>` (401 otherwise); /health and /metrics stay open. A chat template renders for at most
+    template_timeout_s (serve/api/chat_template.py: its process, memory budget and output cap).
     """
 
     model_name: str
