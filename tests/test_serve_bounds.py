@@ -319,7 +319,7 @@ def test_a_head_over_the_cap_gets_431_however_it_arrives(small_heads, pieces):
 
 
 def test_a_head_under_the_cap_is_served(small_heads):
-    head = HEAD + b"x-fill: " + b"a" * 1500 + b"\r\ncontent-length: %d\r\n\r\n" % len(BODY)
+    head = HEAD + b"x-fill: " + b"a" * 1500 + b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(BODY)
     assert _raw(small_heads, [head + BODY]).startswith(b"HTTP/1.1 200 ")
 
 
@@ -338,7 +338,8 @@ def test_content_length_with_transfer_encoding_is_refused(small_heads, framing):
     assert answer.startswith(b"HTTP/1.1 400 ") and b"HTTP/1.1 200" not in answer, answer[:300]
     assert b"RFC 9112" in answer or b"gzip" in framing  # h11 itself refuses a coding it does not speak
     # chunked alone is an ordinary request
-    assert _raw(small_heads, [HEAD + b"transfer-encoding: chunked\r\n\r\n" + chunked]).startswith(b"HTTP/1.1 200 ")
+    plain = HEAD + b"connection: close\r\ntransfer-encoding: chunked\r\n\r\n" + chunked
+    assert _raw(small_heads, [plain]).startswith(b"HTTP/1.1 200 ")
 
 
 # ---- shutdown: streams past --shutdown-timeout end with an error event, not a cut ----------------------------
