@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+from tokenizers.pre_tokenizers import ByteLevel
 
 from gpt2edge.errors import GenerationError, ModelFolderError
 
@@ -42,9 +43,23 @@ class TextTokenizer:
 
     def __init__(self, path: Path):
         self._tok = load_tokenizer(path)
+        self._max_token_bytes: int | None = 0  # 0: not computed yet
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(check_unicode(text), add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode holds it: ~1 s for a megabyte, every thread stalls)
+        return self._tok.encode_batch([check_unicode(text)], add_special_tokens=False)[0].ids
+
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of input text one token stands for, so a text of B bytes has at least
+        ceil(B / this) tokens. Known for byte-level BPE without a normalizer (GPT-2's: every input byte is one
+        symbol, a token joins at most its own length of them, an added token matches its own bytes); None for
+        other tokenizers (a normalizer can drop or merge input)."""
+        if self._max_token_bytes == 0:
+            byte_level = self._tok.normalizer is None and isinstance(self._tok.pre_tokenizer, ByteLevel)
+            added = [len(t.content.encode()) for t in self._tok.get_added_tokens_decoder().values()]
+            vocab = self._tok.get_vocab(with_added_tokens=False)
+            self._max_token_bytes = max([*map(len, vocab), *added, 1]) if byte_level else None
+        return self._max_token_bytes
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)

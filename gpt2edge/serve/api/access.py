@@ -93,7 +93,8 @@ class AccessMiddleware:
         if key is None or path in OPEN_PATHS:
             return True
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+        # the header's own bytes (starlette reads headers as latin-1) against the key's (ASCII, config.py)
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key.encode())
 
     def _record(self, scope: Scope, state: dict, rid: str, sent: dict, elapsed: float) -> None:
         status = sent["status"] or 499  # no response started: the client left first

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from gpt2edge import __version__
 from gpt2edge.serve.api.access import AccessMiddleware
 from gpt2edge.serve.api.chat import router as chat_router
+from gpt2edge.serve.api.chat_template import TemplateSandbox
 from gpt2edge.serve.api.completions import ready_scheduler
 from gpt2edge.serve.api.completions import router as completions_router
 from gpt2edge.serve.api.http import error_response
@@ -53,6 +54,7 @@ def create_app(
         try:
             yield
         finally:
+            app.state.templates.close()
             scheduler = app.state.scheduler
             if scheduler is not None:
                 await anyio.to_thread.run_sync(scheduler.stop)
@@ -63,6 +65,7 @@ def create_app(
     app.state.load_error = None
     app.state.started = int(time.time())
     app.state.metrics = Metrics(app)
+    app.state.templates = TemplateSandbox(config.template_timeout_s)  # its process starts at the first chat request
     app.add_middleware(AccessMiddleware, config=config, metrics=app.state.metrics)
     app.add_exception_handler(ApiError, lambda request, e: error_response(e))
     app.add_exception_handler(HTTPException, _http_error)
@@ -120,6 +123,14 @@ def drain(app) -> None:
     scheduler = getattr(state, "scheduler", None)
     if scheduler is not None:
         scheduler.drain()
+
+
+def abort(app) -> None:
+    """The graceful time is spent: every job still queued or decoding ends now with an error event, so its
+    stream closes whole (an error event, not a cut) before the server cancels what is left. Blocks briefly."""
+    scheduler = getattr(getattr(app, "state", None), "scheduler", None)
+    if scheduler is not None:
+        scheduler.stop()
 
 
 def _model_card(request: Request, config: ServeConfig) -> dict:

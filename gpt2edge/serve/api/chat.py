@@ -1,35 +1,28 @@
 """POST /v1/chat/completions for folders whose tokenizer carries a chat template (e.g. DialoGPT-style).
 
-The template is rendered as transformers' apply_chat_template renders it: jinja2's ImmutableSandboxedEnvironment
-with trim_blocks and lstrip_blocks, the loopcontrols extension, a `tojson` filter and `raise_exception`, given
-`messages`, `add_generation_prompt=True` and the tokenizer's special tokens. The template comes from, in order:
-the server's --chat-template file, the folder's chat_template.jinja, its tokenizer_config.json "chat_template".
-A folder with none gets a 400 that says so. The rendered prompt is then an ordinary completion request.
+The template is rendered as transformers' apply_chat_template renders it, in a bounded process of its own, off
+the event loop (chat_template.py says where it comes from and what bounds it). A folder with none gets a 400
+that says so. The rendered prompt is then an ordinary completion request.
 """
 
 from __future__ import annotations
 
-import json
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from gpt2edge.serve.api.completions import Meta, respond
+from gpt2edge.serve.api.chat_template import ChatTemplate, TemplateSandbox
+from gpt2edge.serve.api.completions import Meta, ready_scheduler, respond
 from gpt2edge.serve.api.http import read_body
 from gpt2edge.serve.api.protocol import ApiError, CompletionRequest, SamplingFields, StreamOptions, parse_body
+from gpt2edge.serve.hosting.config import MAX_TOP_LOGPROBS, ServeConfig
 from gpt2edge.serve.scheduling.logprobs import FLOOR, TokenEntry
-from gpt2edge.serve.scheduling.plan import Plan
+from gpt2edge.serve.scheduling.plan import Plan, template_output_cap
 
 router = APIRouter()
-NO_TEMPLATE = (
-    "This model's folder has no chat template (chat_template.jinja or tokenizer_config.json's chat_template), so "
-    "/v1/chat/completions cannot render messages; use /v1/completions with a prompt, or start the server with "
-    "--chat-template FILE."
-)
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -47,11 +40,12 @@ class ChatRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI's chat cap (completions': 5)
 
 
 class ChatShape:
     prefix, obj = "chatcmpl", "chat.completion.chunk"
+    max_logprobs = MAX_TOP_LOGPROBS
 
     def logprobs(self, plan: Plan, entries: list[TokenEntry] | None) -> dict | None:
         """Chat's logprobs object: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
@@ -83,6 +77,12 @@ def _chat_entry(e: TokenEntry, n: int) -> dict[str, Any]:
     return {"token": e.token, "logprob": max(e.logprob, FLOOR), "bytes": _bytes(e.token), "top_logprobs": top}
 
 
+def _render(sandbox: TemplateSandbox, scheduler, config: ServeConfig, messages: list[dict]) -> str:
+    folder = scheduler.generator.folder.path
+    template = ChatTemplate.find(folder, config.chat_template)
+    return sandbox.render(template, messages, template_output_cap(scheduler.limits(), config))
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     config = request.app.state.config
@@ -93,10 +93,15 @@ async def chat_completions(request: Request) -> Response:
                            f"messages.{i}.role", "invalid_value")  # fmt: skip
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true.", "top_logprobs", "invalid_value")
-    scheduler = request.app.state.scheduler
-    folder = None if scheduler is None else scheduler.generator.folder.path
-    prompt = render(ChatTemplate.find(folder, config.chat_template), [m.model_dump(exclude_none=True)
-                                                                       for m in req.messages])  # fmt: skip
+    scheduler = ready_scheduler(request)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    # the template is untrusted code: rendered off the event loop, in its bounded process (chat_template.py)
+    # renders take turns in the one worker: the others wait here, not in (and starving) the shared thread pool
+    state = request.app.state
+    if getattr(state, "template_turns", None) is None:
+        state.template_turns = anyio.CapacityLimiter(1)
+    prompt = await anyio.to_thread.run_sync(_render, state.templates, scheduler, config, messages,
+                                            limiter=state.template_turns)  # fmt: skip
     fields = req.model_dump(include=set(SamplingFields.model_fields))  # the fields a completion shares
     fields["max_tokens"] = req.max_completion_tokens or req.max_tokens
     fields["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
@@ -104,64 +109,3 @@ async def chat_completions(request: Request) -> Response:
         fields["stream_options"] = StreamOptions(**fields["stream_options"])
     as_completion = CompletionRequest.model_construct(prompt=prompt, **fields)
     return await respond(request, as_completion, ChatShape(), [prompt])
-
-
-class ChatTemplate:
-    """A template source and the special tokens it may name."""
-
-    def __init__(self, source: str, tokens: dict[str, str]) -> None:
-        self.source, self.tokens = source, tokens
-
-    @staticmethod
-    def find(folder: Path | None, override: str | None) -> ChatTemplate:
-        return _find(None if folder is None else str(folder), override)
-
-
-@lru_cache(maxsize=8)
-def _find(folder: str | None, override: str | None) -> ChatTemplate:
-    tokens: dict[str, str] = {}
-    config: dict[str, Any] = {}
-    if folder is not None and (Path(folder) / "tokenizer_config.json").is_file():
-        try:
-            config = json.loads((Path(folder) / "tokenizer_config.json").read_text())
-        except (OSError, ValueError):
-            config = {}
-        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-            value = config.get(key)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str):
-                tokens[key] = value
-    tokens.setdefault("eos_token", "<|endoftext|>")
-    tokens.setdefault("bos_token", tokens["eos_token"])
-    if override is not None:
-        return ChatTemplate(Path(override).read_text(), tokens)
-    if folder is not None and (Path(folder) / "chat_template.jinja").is_file():
-        return ChatTemplate((Path(folder) / "chat_template.jinja").read_text(), tokens)
-    source = config.get("chat_template")
-    if isinstance(source, list):  # named templates: transformers uses "default"
-        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
-    if not isinstance(source, str):
-        raise ApiError(400, NO_TEMPLATE, "messages", "no_chat_template")
-    return ChatTemplate(source, tokens)
-
-
-def render(template: ChatTemplate, messages: list[dict]) -> str:
-    """transformers' rendering of a chat template (its _compile_jinja_template's environment)."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(template.source).render(messages=messages, add_generation_prompt=True,
-                                                       **template.tokens)  # fmt: skip
-    except jinja2.exceptions.TemplateError as e:
-        raise ApiError(400, f"The chat template refused these messages: {e}", "messages", "template_error") from None
-

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from gpt2edge.serve.api.events import EventBuffer
 from gpt2edge.serve.api.http import SSEResponse, read_body, shutting_down, wait_disconnect
 from gpt2edge.serve.api.protocol import ApiError, chunk_body, completion_body, parse_request, sse, usage_body
-from gpt2edge.serve.hosting.config import ServeConfig
+from gpt2edge.serve.hosting.config import MAX_LOGPROBS, ServeConfig
 from gpt2edge.serve.scheduling.jobs import Failure, Job, Piece
 from gpt2edge.serve.scheduling.logprobs import TokenEntry, logprobs_body
 from gpt2edge.serve.scheduling.plan import Plan, plan_request
@@ -40,6 +40,7 @@ class Shape(Protocol):
 
     prefix: str
     obj: str  # the object name of the final usage chunk
+    max_logprobs: int  # the most alternatives per token the endpoint reports (OpenAI: 5 for text, 20 for chat)
 
     def logprobs(self, plan: Plan, entries: list[TokenEntry] | None) -> dict | None: ...
 
@@ -50,6 +51,7 @@ class Shape(Protocol):
 
 class TextShape:
     prefix, obj = "cmpl", "text_completion"
+    max_logprobs = MAX_LOGPROBS
 
     def logprobs(self, plan: Plan, entries: list[TokenEntry] | None) -> dict | None:
         """A choice's (or a chunk's) `logprobs` object: null unless the request asked for logprobs."""
@@ -86,7 +88,8 @@ async def respond(request: Request, req: Any, shape: Shape, prompt_override: lis
     config: ServeConfig = request.app.state.config
     scheduler = ready_scheduler(request)
     # encoding a long prompt takes milliseconds: off the event loop
-    plan: Plan = await anyio.to_thread.run_sync(plan_request, req, config, scheduler.limits(), prompt_override)
+    plan: Plan = await anyio.to_thread.run_sync(plan_request, req, config, scheduler.limits(), prompt_override,
+                                                shape.max_logprobs)  # fmt: skip
     events = EventBuffer(asyncio.get_running_loop(), config.max_buffered_events)
     job = Job(
         plan.prompts, plan.prompt_lens, plan.n, plan.max_tokens, plan.sampling, plan.stop, events.emit,
@@ -126,7 +129,8 @@ def _submit(scheduler: Scheduler, job: Job) -> None:
 
 
 def failed(event: Failure) -> ApiError:
-    return ApiError(500, event.message, None, event.code, "server_error")
+    status = 503 if event.code == "shutting_down" else 500  # a shutdown is worth retrying elsewhere
+    return ApiError(status, event.message, None, event.code, "server_error")
 
 
 async def _stream(job: Job, events: EventBuffer, plan: Plan, meta: Meta, shape: Shape) -> AsyncIterator[bytes]:
@@ -170,9 +174,7 @@ async def _gather(job: Job, events: EventBuffer) -> tuple[list[str], list[str], 
     return texts, reasons, tokens, completion_tokens
 
 
-async def _collect(
-    request: Request, job: Job, events: EventBuffer, plan: Plan, meta: Meta, shape: Shape
-) -> Response:
+async def _collect(request: Request, job: Job, events: EventBuffer, plan: Plan, meta: Meta, shape: Shape) -> Response:
     """Wait for every choice, or for the client to leave (then its rows are freed and nobody gets an answer)."""
     result = asyncio.ensure_future(_gather(job, events))
     gone = asyncio.ensure_future(wait_disconnect(request.receive))

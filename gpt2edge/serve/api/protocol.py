@@ -150,8 +150,9 @@ def _as_api_error(e: ValidationError, root: type[BaseModel]) -> ApiError:
         return ApiError(400, f"Unknown field '{path}'; {where} accepts: {known}.", path, "unknown_field")
     if err["type"] == "missing":
         return ApiError(400, f"{field} is required.", field, "missing_field")
-    if field in _HINTS:
-        return ApiError(400, _HINTS[field], field, "invalid_type")
+    hints = {**_HINTS, **getattr(root, "hints", {})}  # a model may spell a field's expected type its own way
+    if field in hints:
+        return ApiError(400, hints[field], field, "invalid_type")
     got = repr(err.get("input"))
     got = got if len(got) <= 40 else got[:37] + "..."
     return ApiError(400, f"{field}: {err['msg']} (got {got}).", field, "invalid_value")
@@ -162,6 +163,8 @@ def _nested_model(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     import typing
 
     for part in loc:
+        if isinstance(part, int):  # a list index: the item is the list's own model
+            continue
         field = model.model_fields.get(str(part))
         if field is None:
             return None

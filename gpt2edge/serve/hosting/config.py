@@ -8,6 +8,7 @@ from gpt2edge.errors import ServeError
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences per request
 MAX_LOGPROBS = 5  # OpenAI's limit on `logprobs` (the top alternatives reported per token)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on chat's `top_logprobs`
 SCHEDULERS = ("continuous", "next-batch")
 # rows decoded together unless --max-batch says otherwise (fewer when memory would not hold their KV cache):
 # room for 64 closed-loop clients without a queue; tuning against the CPU's compute-bound point: docs/serve.md
@@ -25,10 +26,11 @@ class ServeConfig:
 
     Connection limits (uvicorn, serve/hosting/limits.py): a request's headers must arrive within header_timeout_s and
     its body within body_timeout_s (else 408); at most max_connections are open (one more gets 503 and is
-    closed); headers past max_header_bytes get 400; an idle keep-alive connection is closed after keep_alive_s.
+    closed); a request head past max_header_bytes gets 431; an idle keep-alive connection is closed after keep_alive_s.
     A stream whose client lets more than max_buffered_events go unread is dropped with an error event. On
     shutdown, running requests get shutdown_timeout_s to finish. api_key: requests need `Authorization: Bearer
-    <key>` (401 otherwise); /health and /metrics stay open.
+    <key>` (401 otherwise); /health and /metrics stay open. A chat template renders for at most
+    template_timeout_s (serve/api/chat_template.py: its process, memory budget and output cap).
     """
 
     model_name: str
@@ -48,6 +50,7 @@ class ServeConfig:
     shutdown_timeout_s: float = 10.0
     api_key: str | None = None
     chat_template: str | None = None  # a jinja file for /v1/chat/completions, instead of the folder's own
+    template_timeout_s: float = 2.0  # the longest one chat-template render may take (serve/api/chat_template.py)
 
     def __post_init__(self) -> None:
         # each bound named with the flag that sets it, before any model is loaded
@@ -75,9 +78,14 @@ class ServeConfig:
                 raise ServeError(f"{flag} must be in (0, 3600] seconds, got {value}.")
         if not 0 <= self.shutdown_timeout_s <= 3600:
             raise ServeError(f"--shutdown-timeout must be in [0, 3600] seconds, got {self.shutdown_timeout_s}.")
+        if not 0 < self.template_timeout_s <= 60:
+            raise ServeError(f"template_timeout_s must be in (0, 60] seconds, got {self.template_timeout_s}.")
         if self.max_connections < 1:
             raise ServeError(f"--max-connections must be >= 1, got {self.max_connections}.")
         if self.max_header_bytes < 1024:
             raise ServeError(f"--max-header-kb must be >= 1, got {self.max_header_bytes / 1024:g}.")
         if self.api_key is not None and (not self.api_key.strip() or not self.api_key.isprintable()):
             raise ServeError("--api-key must be printable and not empty (it is compared with the Bearer token).")
+        if self.api_key is not None and not self.api_key.isascii():
+            # HTTP header values arrive as bytes (read as latin-1): a non-ASCII key could never be matched
+            raise ServeError("--api-key must be ASCII (an HTTP header carries it; a non-ASCII key never matches).")

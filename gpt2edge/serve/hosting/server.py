@@ -9,6 +9,7 @@ cancelled, and the process exits 0.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import threading
@@ -20,10 +21,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from gpt2edge.errors import ServeError
-from gpt2edge.serve.api.app import create_app, drain
+from gpt2edge.serve.api.app import abort, create_app, drain
 from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.hosting.limits import limited_protocol
 from gpt2edge.serve.scheduling.continuous import load_scheduler
+
+ABORT_S = 2.0  # after --shutdown-timeout: the time running streams get to send their error event and close
 
 
 def local_app(
@@ -72,6 +75,7 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._on_ready = on_ready
         self.url = ""
+        self._abort_after_s = max(0.0, config.timeout_graceful_shutdown - ABORT_S) + 0.1  # uvicorn first waits 0.1 s
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -91,6 +95,17 @@ class _Server(uvicorn.Server):
         drain(self.config.app)
         self.should_exit = True
 
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's graceful shutdown, except that when --shutdown-timeout is spent the running jobs are ended
+        with an error event first (abort), so streams close whole and no request task is cancelled mid-write
+        (which cut streams and logged a CancelledError traceback each). uvicorn's own deadline comes ABORT_S
+        later, for what abort could not end."""
+        graceful = asyncio.ensure_future(super().shutdown(sockets))
+        done, _ = await asyncio.wait({graceful}, timeout=self._abort_after_s)
+        if not done:
+            await asyncio.to_thread(abort, self.config.app)
+        await graceful
+
 
 def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
     limits: ServeConfig = app.state.config
@@ -100,10 +115,10 @@ def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvico
         port=port,
         log_level=log_level,
         lifespan="on",
-        http=limited_protocol(limits.header_timeout_s, connection_cap(limits.max_connections)),
+        http=limited_protocol(limits.header_timeout_s, connection_cap(limits.max_connections), limits.max_header_bytes),
         h11_max_incomplete_event_size=limits.max_header_bytes,
         timeout_keep_alive=limits.keep_alive_s,
-        timeout_graceful_shutdown=limits.shutdown_timeout_s,
+        timeout_graceful_shutdown=limits.shutdown_timeout_s + ABORT_S,
         access_log=False,  # the app writes its own structured access log (request ids, timings)
     )
 

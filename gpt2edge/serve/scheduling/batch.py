@@ -83,11 +83,11 @@ def on_step(rows: Sequence[Row], step) -> None:
         raise _BatchDone
 
 
-def fail(jobs: Sequence[Job], message: str) -> None:
+def fail(jobs: Sequence[Job], message: str, code: str = "generation_failed") -> None:
     """Tell every job that still has live rows that it cannot finish; mark its rows done."""
     for job in jobs:
         if not job.finished and not job.cancelled:
-            job.emit(Failure(message))
+            job.emit(Failure(message, code))
         for r in job.rows:
             r.done = True
 

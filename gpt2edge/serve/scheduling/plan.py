@@ -38,14 +38,14 @@ def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
         raise ApiError(400, "stream_options is only allowed with stream: true.", "stream_options", "invalid_value")
 
 
-def _check_logprobs(req: CompletionRequest) -> None:
-    """0 .. MAX_LOGPROBS, and not with echo: the runtime scores generated tokens, not the prompt's."""
+def _check_logprobs(req: CompletionRequest, cap: int) -> None:
+    """0 .. cap, and not with echo: the runtime scores generated tokens, not the prompt's."""
     if req.logprobs is None:
         return
-    if req.logprobs > MAX_LOGPROBS:
+    if req.logprobs > cap:
         raise ApiError(
             400,
-            f"logprobs must be at most {MAX_LOGPROBS} on this server (OpenAI's limit), got {req.logprobs}.",
+            f"logprobs must be at most {cap} on this server (OpenAI's limit), got {req.logprobs}.",
             "logprobs",
             "invalid_value",
         )
@@ -102,13 +102,45 @@ class ModelLimits:
     encode: Callable[[str], list[int]]
     row_extras: bool = True
     rows_why: str = ""  # why max_rows is below --max-batch: " (its static graph's batch)", memory
+    max_token_bytes: int | None = None  # the most bytes of text one token covers (None: not known)
+
+
+def prompt_byte_cap(limits: ModelLimits) -> int | None:
+    """The most UTF-8 bytes of a prompt that can fit the context: every token covers at most max_token_bytes."""
+    return None if limits.max_token_bytes is None else limits.n_positions * limits.max_token_bytes
+
+
+def template_output_cap(limits: ModelLimits, config: ServeConfig) -> int:
+    """What a chat template may render: no more than fits the context, else a few times the body limit."""
+    cap = prompt_byte_cap(limits)
+    return cap if cap is not None else 4 * config.max_body_bytes + (64 << 10)
+
+
+def _refuse_by_bytes(prompts: list[str], max_tokens: int, limits: ModelLimits) -> None:
+    """A prompt of B bytes has at least ceil(B / max_token_bytes) tokens: one far over the context is refused
+    from its length, before the tokenizer spends a second on a megabyte."""
+    if limits.max_token_bytes is None:
+        return
+    for i, prompt in enumerate(prompts):
+        size = len(prompt.encode("utf-8"))
+        at_least = -(-size // limits.max_token_bytes)
+        if at_least + max_tokens > limits.n_positions:
+            which = "The prompt" if len(prompts) == 1 else f"Prompt {i}"
+            raise ApiError(400, f"This model's maximum context length is {limits.n_positions} tokens. {which} has "
+                           f"{size} bytes, so at least {at_least} tokens (a token covers at most "
+                           f"{limits.max_token_bytes} bytes), and max_tokens is {max_tokens}; shorten the prompt.",
+                           "prompt", "context_length_exceeded")  # fmt: skip
 
 
 def plan_request(
-    req: CompletionRequest, config: ServeConfig, limits: ModelLimits, prompts: list[str] | None = None
+    req: CompletionRequest,
+    config: ServeConfig,
+    limits: ModelLimits,
+    prompts: list[str] | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> Plan:
     """Check the request against the model and the server's limits; encode the prompts (`prompts`: the ones a
-    chat template rendered, instead of req.prompt)."""
+    chat template rendered, instead of req.prompt; max_logprobs: the endpoint's cap on alternatives)."""
     max_rows, n_positions = limits.max_rows, limits.n_positions
     if req.model is not None and req.model != config.model_name:
         raise ApiError(
@@ -134,13 +166,14 @@ def plan_request(
             "n",
             "invalid_value",
         )
-    _check_logprobs(req)
+    _check_logprobs(req, max_logprobs)
     stop = _stop_strings(req.stop)
     max_tokens = _max_tokens(req, n_positions)
     if req.min_tokens is not None and req.min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens",
                        "invalid_value")  # fmt: skip
     sampling = sampling_from(req, limits.vocab_size, limits.row_extras)
+    _refuse_by_bytes(prompts, max_tokens, limits)
     ids = [list(limits.encode(p)) for p in prompts]
     lens = [len(i) for i in ids]
     for i, plen in enumerate(lens):

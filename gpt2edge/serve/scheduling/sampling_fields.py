@@ -15,12 +15,19 @@ from gpt2edge.serve.scheduling.jobs import Sampling
 ROW_EXTRAS = ("presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids")
 
 
-def _token_id(key: str, vocab_size: int, field: str) -> int:
-    if not key.lstrip("-").isdigit() or len(key) > 12:
-        raise ApiError(400, f"{field} keys must be token ids (e.g. \"50256\"), got {key!r}.", field, "invalid_value")
-    tid = int(key)
+def _bias_id(key: str, vocab_size: int) -> int:
+    """A logit_bias key: a token id in ASCII decimal digits, no sign, space or leading zero ("05" would be a second
+    name for 5; str.isdigit takes "٥" and "５" as well, and int() reads them)."""
+    if not (key.isascii() and key.isdigit() and len(key) <= 12 and (key == "0" or not key.startswith("0"))):
+        raise ApiError(400, f"logit_bias keys must be token ids in ASCII digits without sign or leading zero (e.g. "
+                       f"\"50256\"), got {key!r}.", "logit_bias", "invalid_value")  # fmt: skip
+    return _in_vocab(int(key), vocab_size, "logit_bias")
+
+
+def _in_vocab(tid: int, vocab_size: int, field: str) -> int:
     if not 0 <= tid < vocab_size:
-        raise ApiError(400, f"{field}: token id {tid} is outside the vocabulary (0..{vocab_size - 1}).", field,
+        shown = str(tid) if len(str(tid)) <= 24 else f"{str(tid)[:20]}..."
+        raise ApiError(400, f"{field}: token id {shown} is outside the vocabulary (0..{vocab_size - 1}).", field,
                        "invalid_value")  # fmt: skip
     return tid
 
@@ -31,8 +38,8 @@ def sampling_from(req: Any, vocab_size: int, row_extras: bool) -> Sampling:
     if given and not row_extras:
         raise ApiError(400, f"{given[0]} needs the continuous scheduler; this server runs next-batch (or a --static "
                        "folder); omit it.", given[0], "unsupported")  # fmt: skip
-    bias = tuple((_token_id(k, vocab_size, "logit_bias"), float(v)) for k, v in (req.logit_bias or {}).items())
-    stop_ids = tuple(_token_id(str(t), vocab_size, "stop_token_ids") for t in (req.stop_token_ids or ()))
+    bias = tuple((_bias_id(k, vocab_size), float(v)) for k, v in (req.logit_bias or {}).items())
+    stop_ids = tuple(_in_vocab(t, vocab_size, "stop_token_ids") for t in (req.stop_token_ids or ()))
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     return Sampling(
         temperature=1.0 if req.temperature is None else req.temperature,

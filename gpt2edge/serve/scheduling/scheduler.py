@@ -75,7 +75,8 @@ class Scheduler:
 
     def limits(self) -> ModelLimits:
         vocab = int(self.generator.graph.vocab_size)
-        return ModelLimits(self.n_positions, self.max_rows, vocab, self.encode, self.row_extras, self._rows_why)
+        return ModelLimits(self.n_positions, self.max_rows, vocab, self.encode, self.row_extras, self._rows_why,
+                           getattr(self.tokenizer, "max_token_bytes", lambda: None)())  # fmt: skip
 
     def encode(self, prompt: str) -> list[int]:
         """A prompt's token ids; GPT-2 starts an empty one from <|endoftext|>, as the runtime does."""
@@ -113,7 +114,8 @@ class Scheduler:
             pending = list(self._waiting) + self._running
             self._waiting.clear()
             self._cond.notify()
-        fail(pending, "The server is shutting down; retry on another replica or later.")
+        fail(pending, "The server shut down before this request finished; retry on another replica or later.",
+             "shutting_down")  # fmt: skip
         for job in pending:
             job.cancel()  # the running batch sees every row cancelled at its next step and ends
         if self._thread.is_alive():
