@@ -49,7 +49,9 @@ def limits():
 
 
 def first_line(message: str, limit: int = 300) -> str:
-    line = next((s.strip() for s in str(message).splitlines() if s.strip()), "unknown error")
+    """An engine message as one line: its first line, and the `error: ...` line of a regex parser's report."""
+    lines = [s.strip() for s in str(message).splitlines() if s.strip()]
+    line = " ".join(lines[:1] + [s for s in lines[1:] if s.startswith("error:")]) or "unknown error"
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
