@@ -189,7 +189,10 @@ def compile_constraint(
         c, template, int(vocab_size), tuple(lt.eos_tokens), int(lt.vocab_size), executor=llg.LLExecutor()
     )
     probe = compiled.matcher()
-    first = probe.allowed(compiled.engine_eos)  # the first step's mask: an empty language shows here
+    try:  # the first step's mask: an empty language shows here
+        first = probe.allowed(compiled.engine_eos)
+    except ConstraintError as e:
+        raise ConstraintError(f"The {c.kind} constraint's language is empty (no text satisfies it): {e}") from None
     if not first.any() and not probe.accepts_eos:
         raise ConstraintError(f"The {c.kind} constraint's language is empty: no text satisfies it.")
     compiled.compile_ms = (time.perf_counter() - t0) * 1e3
