@@ -316,3 +316,16 @@ def test_cli_constraint_flags(tiny_export, tmp_path):
     big.write_bytes(b" " * (MAX_TEXT_BYTES + 10))
     r = run("--json-schema", str(big))
     assert r.exit_code == 1 and "error: --json-schema" in r.output
+
+
+def test_static_and_sparse_folders_take_a_constraint(gen, tiny_checkpoint, tiny_export, tmp_path):
+    from gpt2edge.sparse.handler import sparse_head
+
+    r = CliRunner().invoke(main, ["export", "-m", str(tiny_checkpoint), str(tmp_path / "static"), "--static", "2x8x64"])
+    assert r.exit_code == 0, r.output
+    sparse_head(tiny_export, tmp_path / "sparse", rank=4, candidates_k=32)
+    c = Constraint.regex("[0-9]{2,5}")
+    want = [x.token_ids for x in gen.generate(["a", "b"], constraint=c, max_new_tokens=8)]
+    for folder in ("static", "sparse"):  # the sparse head serves a constrained step with its full head
+        got = Generator(tmp_path / folder).generate(["a", "b"], constraint=c, max_new_tokens=8)
+        assert [x.token_ids for x in got] == want and all(re.fullmatch("[0-9]{2,5}", x.text) for x in got)
