@@ -231,6 +231,38 @@ def test_a_trimmed_head_takes_the_mask_on_its_kept_columns(tiny_export, tmp_path
         assert re.fullmatch("[0-9]{2,4}", r.text) and set(r.token_ids) <= kept
 
 
+def test_a_constraint_that_needs_a_dropped_token_is_refused(gen):
+    # trim-vocab always keeps the 256 byte tokens (any text stays spellable), so this takes a hand-made column
+    # map: a head whose columns hold no digit at all
+    from gpt2edge.runtime.constraints.rows import ConstrainedRows
+    from gpt2edge.runtime.model.columns import Columns
+
+    no_digit = [i for i in range(400) if not re.search("[0-9]", gen.tokenizer.decode([i], skip_special_tokens=False))]
+    compiled = compile_constraint(Constraint.regex("[0-9]+"), gen.tokenizer, 400, gen.eos_token_id)
+    rows = ConstrainedRows(compiled, 2, gen.eos_token_id, Columns.of(np.array(no_digit), 400))
+    with pytest.raises(ConstraintError, match="trimmed head dropped") as e:
+        rows.masks(np.array([True, True]))
+    assert "\n" not in str(e.value)
+    kept = ConstrainedRows(compiled, 1, gen.eos_token_id, Columns.of(np.arange(400), 400)).masks(np.array([True]))
+    assert kept.shape == (1, 400) and kept.sum() == len(set(range(400)) - set(no_digit))
+
+
+def test_choices_with_quotes_backslashes_newlines_and_emoji(gen):
+    options = ['a "q"', "back\\slash", "é😀", "new\nline"]
+    rs = gen.generate("x", constraint=Constraint.choice(options), do_sample=True, seed=0, num_return_sequences=30)
+    assert {r.text for r in rs} <= set(options)
+
+
+def test_without_the_structured_extra_a_constraint_names_the_install(gen, monkeypatch):
+    from gpt2edge import extras
+    from gpt2edge.errors import MissingExtraError
+
+    real = extras.find_spec
+    monkeypatch.setattr(extras, "find_spec", lambda name: None if name == "llguidance" else real(name))
+    with pytest.raises(MissingExtraError, match=r"pip install 'gpt2edge\[structured\]'"):
+        gen.generate("x", constraint=Constraint.regex("[a-z]+"))
+
+
 # ---- bad input: one line, before any model work, bounded by the limits
 
 
