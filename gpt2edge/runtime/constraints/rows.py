@@ -10,12 +10,16 @@ only, and greedy takes the best allowed token. End tokens are allowed only where
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from gpt2edge.runtime.constraints.engine import CompiledConstraint, allowed_masks
 from gpt2edge.runtime.constraints.spec import ConstraintError
 from gpt2edge.runtime.model.columns import Columns
+
+# the next step's masks are computed here while ONNX Runtime runs the step's forward (both release the GIL)
+_prefetcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpt2edge-mask")
 
 
 class ConstrainedRows:
@@ -24,10 +28,24 @@ class ConstrainedRows:
     def __init__(self, compiled: CompiledConstraint, rows: int, eos_ids: Sequence[int], columns: Columns | None):
         self.matchers = [compiled.matcher() for _ in range(rows)]
         self.eos_ids, self.columns = tuple(int(t) for t in eos_ids), columns
+        self._pending: tuple[np.ndarray, Future] | None = None
+
+    def prefetch(self, active: np.ndarray) -> None:
+        """Start the masks of the rows' current states in the background (the loop calls this right before the
+        forward that the masks do not depend on); masks() with the same rows collects them."""
+        self._pending = (active.copy(), _prefetcher.submit(self._masks, active.copy()))
 
     def masks(self, active: np.ndarray) -> np.ndarray:
         """(B, W) bool: each active row's allowed tokens in the head's columns (W = V, or a trimmed head's K);
         finished rows allow everything (their token is ignored)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            done = pending[1].result()  # waited for even when unused: no matcher is touched by two threads
+            if np.array_equal(pending[0], active):
+                return done
+        return self._masks(active)
+
+    def _masks(self, active: np.ndarray) -> np.ndarray:
         live = np.flatnonzero(active)
         V = self.matchers[0].compiled.vocab_size
         full = np.ones((len(self.matchers), V), dtype=bool)

@@ -155,6 +155,8 @@ def decode_n_tokens(
             return
         feed = np.where(active, tokens, pad_id)
         mask[:, S + step] = 1
+        if rows is not None:  # the next masks depend on the tokens only: computed during the forward
+            rows.prefetch(np.array([r is None for r in state.finish_reasons]))
         t0 = time.perf_counter()
         logprobs = decode_one_token(lm, feed, mask[:, : S + step + 1], positions)
         state.decode_ms.append((time.perf_counter() - t0) * 1e3)
