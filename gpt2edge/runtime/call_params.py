@@ -43,7 +43,9 @@ def stop_strings(stop: str | Sequence[str] | None, what: str = "Stop strings") -
     return tuple(check_unicode(s, f"{what[:-1]} {s!r}") for s in stops)
 
 
-def merged_values(defaults: dict[str, Any], overrides: dict[str, Any], banned: list[tuple[int, ...]]) -> dict[str, Any]:
+def merged_values(
+    defaults: dict[str, Any], overrides: dict[str, Any], banned: list[tuple[int, ...]]
+) -> dict[str, Any]:
     """SamplingParams' knobs: generation_config.json's `defaults`, then the call's non-None `overrides` (an
     unknown name raises), then the `banned` id sequences joined to any bad_words_ids."""
     unknown = set(overrides) - set(CONFIG_KEYS)
