@@ -133,13 +133,62 @@ def bench(folder: str, n_tokens: int, rounds: int) -> dict:
     return out
 
 
+SMALL_SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 4},
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": -9, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    },
+]
+
+
+def validate(folder: str, per_schema: int) -> dict:
+    """Seeded samples of each schema (SCHEMA and SMALL_SCHEMAS), 50 rows a call: how many finished, parsed and
+    validated with jsonschema (a "length" finish is counted apart: it ran out of tokens inside the structure)."""
+    import jsonschema
+
+    gen = Generator(folder)
+    out = {"folder": folder, "samples": 0, "valid": 0, "length": 0, "invalid": 0}
+    for i, schema in enumerate([SCHEMA, *SMALL_SCHEMAS]):
+        c = Constraint.json_schema(schema)
+        for seed in range(-(-per_schema // 50)):
+            kw = dict(do_sample=True, seed=1000 * i + seed, num_return_sequences=50, max_new_tokens=192)
+            for r in gen.generate("Here is the record as JSON:", constraint=c, **kw):
+                out["samples"] += 1
+                if r.finish_reason == "length":
+                    out["length"] += 1
+                    continue
+                try:
+                    jsonschema.validate(json.loads(r.text), schema)
+                    out["valid"] += 1
+                except (ValueError, jsonschema.ValidationError):
+                    out["invalid"] += 1
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folders", nargs="+")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--validate", type=int, default=0, metavar="N", help="only: N seeded samples per schema")
     args = ap.parse_args()
+    if args.validate:
+        for f in args.folders:
+            print(json.dumps(validate(f, args.validate)))
+        return
     results = [bench(f, args.tokens, args.rounds) for f in args.folders]
     print(f"{'folder':<28} {'constraint':<22} {'compile':>9} {'mask':>7} {'apply':>7} {'advance':>8} "
           f"{'total':>7} {'decode':>7} {'overhead':>8} {'16 rows':>8} {'e2e/tok':>8} {'vs plain':>8}")  # fmt: skip
