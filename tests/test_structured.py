@@ -208,10 +208,19 @@ def test_the_masked_distribution_equals_transformers_with_a_mask_processor(optio
 # ---- paths that refuse a constraint, or take it on a trimmed / static folder
 
 
-def test_beam_search_and_speculative_decoding_refuse_a_constraint(gen, tiny_export_all):
+def test_beam_search_keeps_a_matcher_per_beam(gen):
+    rx = "[a-z]{2,4}( [0-9]{1,2})?"
+    groups = gen.generate(["The", "A"], constraint=Constraint.regex(rx), num_beams=4, num_return_sequences=3)
+    for group in groups:
+        assert len(group) == 3 and all(re.fullmatch(rx, r.text) for r in group), [r.text for r in group]
+        assert [r.sequence_score for r in group] == sorted((r.sequence_score for r in group), reverse=True)
+    c = Constraint.json_schema(SCHEMAS[2])
+    for r in gen.generate("The", constraint=c, num_beams=3, num_return_sequences=3, max_new_tokens=40):
+        jsonschema.validate(json.loads(r.text), SCHEMAS[2])
+
+
+def test_speculative_decoding_refuses_a_constraint(gen, tiny_export_all):
     c = Constraint.regex("[a-z]+")
-    with pytest.raises(ConstraintError, match="Beam search"):
-        gen.generate("The", constraint=c, num_beams=2)
     with pytest.raises(ConstraintError, match="Speculative"):
         Generator(tiny_export_all, prompt_lookup=2).generate("The", constraint=c)
     with pytest.raises(ConstraintError, match="Constraint"):

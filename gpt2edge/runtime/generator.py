@@ -184,7 +184,7 @@ class Generator:
         )  # fmt: skip
         check_search(search, params)
         batch, single = prompts_arg(prompt)  # a str, or a list of them (TypeError otherwise)
-        compiled = compile_for(self, constraint, search.num_beams)  # beams and drafts refuse one
+        compiled = compile_for(self, constraint, search.num_beams)  # a draft refuses one
         if search.expands:
             if self.speculator is not None:
                 raise GenerationError(
@@ -230,7 +230,7 @@ class Generator:
             )
         with self._pool.lease() as lm:
             if search.num_beams > 1:
-                state = BeamState(prompts=encoded, params=params, search=search)
+                state = BeamState(prompts=encoded, params=params, search=search, constraint=compiled)
                 steps = iter_beam_search(lm, self.tokenizer, state, self.pad_token_id)
             else:
                 state = GenerationState(prompts=encoded, params=params, constraint=compiled)

@@ -115,6 +115,20 @@ class RowMatcher:
     def __init__(self, compiled: CompiledConstraint, matcher: Any):
         self.compiled, self._m = compiled, matcher
         self.n_tokens = 0
+        self.dead = False  # a beam that took a token its grammar refuses (beam search ends it)
+
+    def copy(self) -> RowMatcher:
+        """An independent matcher in this one's state (a beam search's new beam)."""
+        out = RowMatcher(self.compiled, self._m.deep_copy())
+        out.n_tokens, out.dead = self.n_tokens, self.dead
+        return out
+
+    def try_advance(self, token: int) -> bool:
+        """advance(), False instead of an error when the grammar refuses the token (or the row is dead)."""
+        if self.dead or not self._m.consume_token(int(token)):
+            return False
+        self.n_tokens += 1
+        return True
 
     def allowed(self, eos_ids: Sequence[int] = ()) -> np.ndarray:
         """(vocab_size,) bool: the tokens that keep the text a prefix of the language; `eos_ids` (the call's end
@@ -216,8 +230,9 @@ def compile_for(generator: Any, constraint: object, beams: int = 1, speculative:
         return None
     if speculative is None:
         speculative = getattr(generator, "speculator", None) is not None
-    if beams > 1 or speculative:
-        what = "Beam search" if beams > 1 else "Speculative decoding (a draft or prompt lookup)"
-        fix = "num_beams" if beams > 1 else "the draft / prompt lookup"
-        raise ConstraintError(f"{what} does not take a constraint; drop {fix} or the constraint.")
+    if speculative:
+        raise ConstraintError(
+            "Speculative decoding (a draft or prompt lookup) does not take a constraint; drop the draft / prompt "
+            "lookup or the constraint."
+        )
     return compile_constraint(constraint, generator.tokenizer, generator.graph.vocab_size, generator.eos_token_id)

@@ -49,6 +49,8 @@ class ConstrainedRows:
         live = np.flatnonzero(active)
         V = self.matchers[0].compiled.vocab_size
         full = np.ones((len(self.matchers), V), dtype=bool)
+        full[[b for b in live if self.matchers[b].dead]] = False  # a beam its grammar refused: nothing goes on
+        live = np.array([b for b in live if not self.matchers[b].dead], dtype=np.int64)
         if len(live):
             full[live] = allowed_masks([self.matchers[b] for b in live], self.eos_ids)
         if self.columns is None:
@@ -62,6 +64,17 @@ class ConstrainedRows:
                 "untrimmed export, or trim with these tokens kept."
             )
         return kept
+
+    def follow(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """Beam search: new row i continues old row rows[i] with tokens[i]. A beam whose token its grammar cannot
+        take (an end token, or one the beam search kept at score -inf) gets no allowed token: it ends there."""
+        new = []
+        for r, t in zip(rows.tolist(), tokens.tolist()):
+            m = self.matchers[r].copy()
+            if t in self.eos_ids or not m.try_advance(t):
+                m.dead = True
+            new.append(m)
+        self.matchers = new
 
     def advance(self, row: int, token: int) -> bool:
         """Feed the row's sampled token; True when the grammar is now complete (nothing may follow)."""
