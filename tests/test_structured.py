@@ -217,6 +217,8 @@ def test_beam_search_keeps_a_matcher_per_beam(gen):
     c = Constraint.json_schema(SCHEMAS[2])
     for r in gen.generate("The", constraint=c, num_beams=3, num_return_sequences=3, max_new_tokens=40):
         jsonschema.validate(json.loads(r.text), SCHEMAS[2])
+    with pytest.raises(GenerationError, match="ignore_eos"):
+        gen.generate("The", constraint=c, num_beams=2, ignore_eos=True)
 
 
 def test_speculative_decoding_refuses_a_constraint(gen, tiny_export_all):

@@ -181,6 +181,8 @@ def iter_beam_search(lm: OrtLM, tokenizer: TextTokenizer | None, state: BeamStat
         columns = lm_columns(lm)  # a trimmed head: its K columns, beams keep full ids
         every = np.ones(len(row_prompts), dtype=bool)
         cons = None if state.constraint is None else ConstrainedRows(state.constraint, len(every), eos, columns)
+        if cons is not None and not eos:  # a complete grammar ends a beam through its end token only
+            raise GenerationError("Beam search with a constraint needs the end-of-text token; drop ignore_eos.")
         for step in range(params.max_new_tokens):
             if np.isnan(logprobs).any():
                 raise GenerationError(
