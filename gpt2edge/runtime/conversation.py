@@ -194,7 +194,7 @@ class Conversation:
                 f"max_new_tokens={params.max_new_tokens} leaves no room for any context in the model's "
                 f"{self.n_positions} positions; lower it to at most {self.n_positions - 1}."
             )
-        compiled = compile_for(gen, constraint, speculative=False)  # this turn's text alone must match it
+        compiled = compile_for(gen, constraint)  # this turn's text alone must match it
         self._check_idle()
         recorder = gen.logprob_recorder(logprobs, 1)
         return GenerationState(prompts=[], params=params, logprobs=recorder, constraint=compiled)

@@ -184,7 +184,7 @@ class Generator:
         )  # fmt: skip
         check_search(search, params)
         batch, single = prompts_arg(prompt)  # a str, or a list of them (TypeError otherwise)
-        compiled = compile_for(self, constraint, search.num_beams)  # a draft refuses one
+        compiled = compile_for(self, constraint)
         if search.expands:
             if self.speculator is not None:
                 raise GenerationError(
@@ -297,7 +297,7 @@ class Generator:
         if recorder is not None:
             raise GenerationError("logprobs is not recorded by speculative decoding; drop the draft or logprobs.")
         self.speculator.check(prompts, params)
-        return SpecState(prompts=prompts, params=params)
+        return SpecState(prompts=prompts, params=params, constraint=compiled)
 
     def _steps(self, lm, state: GenerationState) -> Iterator[Step]:
         """The decode loop: plain, or speculative when the Generator has a draft or prompt lookup."""

@@ -222,17 +222,9 @@ def cache_info() -> dict[str, int]:
         return {"size": len(_cache), "max": CACHE_SIZE}
 
 
-def compile_for(generator: Any, constraint: object, beams: int = 1, speculative: bool | None = None):
-    """A Generator call's constraint compiled for its folder's tokenizer and vocabulary, or None; refused in one
-    line where the decoding path does not take one (speculative None: whether the Generator has a drafter)."""
+def compile_for(generator: Any, constraint: object) -> CompiledConstraint | None:
+    """A Generator call's constraint compiled for its folder's tokenizer and vocabulary, or None."""
     constraint = as_constraint(constraint)
     if constraint is None:
         return None
-    if speculative is None:
-        speculative = getattr(generator, "speculator", None) is not None
-    if speculative:
-        raise ConstraintError(
-            "Speculative decoding (a draft or prompt lookup) does not take a constraint; drop the draft / prompt "
-            "lookup or the constraint."
-        )
     return compile_constraint(constraint, generator.tokenizer, generator.graph.vocab_size, generator.eos_token_id)
