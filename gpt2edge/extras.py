@@ -14,6 +14,7 @@ from gpt2edge.errors import MissingExtraError
 EXTRAS: dict[str, tuple[str, ...]] = {
     "export": ("torch", "transformers", "onnx", "onnxscript", "safetensors"),
     "quantize": ("onnx",),
+    "structured": ("llguidance",),
     "serve": ("fastapi", "uvicorn", "prometheus_client", "jinja2"),
     "cluster": ("fastapi", "uvicorn", "prometheus_client", "jinja2", "ray"),
 }

@@ -13,7 +13,7 @@ python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.
 if [ "${1:-}" = "--gpu" ]; then
     pip_q --no-deps -e .
     pip_q numpy tokenizers click tqdm transformers onnx onnxscript safetensors pytest ruff scipy matplotlib \
-        fastapi uvicorn httpx 'ray[serve]'
+        fastapi uvicorn httpx 'ray[serve]' llguidance jsonschema
     python -m pip uninstall -q -y onnxruntime 2>/dev/null || true
     pip_q --force-reinstall --no-deps onnxruntime-gpu
 else
@@ -21,7 +21,8 @@ else
         && { echo "onnxruntime-gpu is installed in .venv; remove .venv or run with --gpu" >&2; exit 1; }
     # genai: onnxruntime-genai (tests of `convert --format genai`); it depends on the CPU onnxruntime, so CPU only
     # cluster = serve + ray[serve], so the server and Ray tests run
-    pip_q -e '.[export,cluster,dev,genai]'
+    # structured: llguidance (constraints: JSON Schema, regex, grammars)
+    pip_q -e '.[export,cluster,dev,genai,structured]'
 fi
 
 # the browser target (`convert --format web`, tests/test_web_*.py): the JS runtime's npm packages, pinned by

@@ -23,6 +23,9 @@ FREE_TEXT = {
     ("generate", "prompts"),
     ("generate", "ban"),
     ("generate", "stop"),
+    ("generate", "json_schema"),  # a file or the schema's text, checked by runtime.constraints
+    ("generate", "regex"),  # compiled (and refused in one line) by the engine
+    ("generate", "choice"),
     ("parity", "source"),
     ("bench", "source"),
     ("serve", "host"),

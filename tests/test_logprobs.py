@@ -90,7 +90,7 @@ def test_a_row_that_ends_early_has_one_record_per_token(gen, monkeypatch):
     eos = gen.eos_token_id[0]
     real = generate_module.next_tokens
 
-    def scripted(scores, params, seen, n_generated, rng, columns=None):
+    def scripted(scores, params, seen, n_generated, rng, columns=None, allowed=None):
         tokens = real(scores, params, seen, n_generated, rng, columns)
         if n_generated == 2:
             tokens[0] = eos

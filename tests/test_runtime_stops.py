@@ -42,7 +42,7 @@ def script(gen, monkeypatch):
     def install(text: str) -> list[int]:
         ids = gen.tokenizer.encode(text)
 
-        def scripted(scores, params, seen, n_generated, rng, columns=None):
+        def scripted(scores, params, seen, n_generated, rng, columns=None, allowed=None):
             return np.full(len(scores), ids[n_generated], dtype=np.int64)
 
         monkeypatch.setattr(generate_module, "next_tokens", scripted)

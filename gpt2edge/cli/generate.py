@@ -6,6 +6,7 @@ The options themselves are declared in gpt2edge.cli.generate_options.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -62,6 +63,11 @@ def generate(
     draft,
     prompt_lookup,
     draft_tokens,
+    json_schema,
+    json_object,
+    regex,
+    grammar,
+    choice,
 ) -> None:
     """Generate text from the export folder MODEL_DIR (no PyTorch needed).
 
@@ -75,6 +81,7 @@ def generate(
     from gpt2edge.runtime.decoding.beam import search_params
 
     files = prompt_files + batch_files
+    constraint = constraint_of(json_schema, json_object, regex, grammar, choice)  # read and checked before the model
     _check_generate_modes(prompts, files, as_json, no_stream, logprobs, interactive, truncate, sequential)
     _check_interactive_search(interactive, num_beams, num_return_sequences, length_penalty, early_stopping)
     try:
@@ -116,6 +123,8 @@ def generate(
             ignore_eos=ignore_eos,
             truncate=truncate,
         )
+        if constraint is not None:
+            kwargs["constraint"] = constraint
         if interactive:
             from gpt2edge.interactive import run_interactive
 
@@ -127,7 +136,7 @@ def generate(
             kwargs.update(ONE_SEQUENCE)  # what a session decodes (it refuses more)
             sys.exit(run_interactive(gen, texts[0] if texts else None, kwargs))
         # every prompt must fit before the first one is generated (--sequential would otherwise fail midway)
-        params = gen.sampling_params(**{k: v for k, v in kwargs.items() if k != "truncate"})
+        params = gen.sampling_params(**{k: v for k, v in kwargs.items() if k not in ("truncate", "constraint")})
         kwargs["logprobs"] = logprobs
         for text in texts:
             gen.encode_prompt(text, params.max_new_tokens, truncate)
@@ -154,6 +163,56 @@ def generate(
     if interrupted:
         click.echo("[interrupted]", err=True)
         sys.exit(130)  # the shell's code for SIGINT: scripts can tell an interrupted run from a finished one
+
+
+def constraint_of(json_schema, json_object, regex, grammar, choice):
+    """The one constraint the flags ask for (None for none); two at once is a usage error. A --json-schema value
+    that names an existing file is read from it, else it is the schema's text."""
+    from gpt2edge.runtime.constraints import Constraint
+
+    given = {"--json-schema": json_schema, "--json-object": json_object or None, "--regex": regex}
+    given.update({"--grammar": grammar, "--choice": list(choice) or None})
+    named = [k for k, v in given.items() if v is not None]
+    if len(named) > 1:
+        raise click.UsageError(f"Give one constraint at a time, not {' and '.join(named)}.")
+    if json_schema is not None:
+        text = _read_text(Path(json_schema), "--json-schema") if _is_file(json_schema) else json_schema
+        return Constraint.json_schema(text)
+    if grammar is not None:
+        return Constraint.grammar(_read_text(grammar, "--grammar"), grammar.name)
+    if regex is not None:
+        return Constraint.regex(regex)
+    if choice:
+        return Constraint.choice(list(choice))
+    return Constraint.json_object() if json_object else None
+
+
+def _is_file(value: str) -> bool:
+    """A --json-schema value is a path when it does not look like JSON and names a file."""
+    from gpt2edge.runtime.constraints import ConstraintError
+
+    if value.lstrip().startswith(("{", "[", "true", "false")):
+        return False
+    if not Path(value).is_file():
+        raise ConstraintError(f"--json-schema {value[:80]!r} is neither a JSON Schema's text nor a file.")
+    return True
+
+
+def _read_text(path: Path, flag: str) -> str:
+    """A constraint file as UTF-8 text, read at most one byte past the size limit (a huge file is not loaded)."""
+    from gpt2edge.runtime.constraints.spec import MAX_TEXT_BYTES, ConstraintError
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEXT_BYTES + 1)
+    except OSError as e:
+        raise ConstraintError(f"{flag}: cannot read {path}: {e.strerror}.") from None
+    if len(data) > MAX_TEXT_BYTES:
+        raise ConstraintError(f"{flag}: {path} is over the {MAX_TEXT_BYTES:,}-byte limit of a constraint.")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConstraintError(f"{flag}: {path} is not UTF-8 text.") from None
 
 
 def _check_generate_modes(prompts, prompt_files, as_json, no_stream, logprobs, interactive, truncate, sequential):

@@ -52,7 +52,7 @@ OPTIONS = [
         type=click.Choice(FORMATS),
         default="auto",
         show_default=True,
-        help='--batch-file files. lines: one prompt per non-blank line. jsonl: one JSON object per non-blank line, its '
+        help="--batch-file files. lines: one prompt per non-blank line. jsonl: one JSON object per non-blank line, its "
         '"prompt" string. auto: jsonl when every non-blank line is such an object, else lines.',
     ),
     click.option(
@@ -172,6 +172,25 @@ OPTIONS = [
         help="With --json: each token's log-prob and the N most likely (0 = the chosen token only).",
     ),
     click.option("-i", "--interactive", is_flag=True, help="Each line of stdin extends the context; /reset, /quit."),
+    # structured output (docs/structured.md): at most one of these; names as llama.cpp spells them where it has them
+    click.option(
+        "--json-schema",
+        "json_schema",
+        default=None,
+        metavar="FILE|JSON",
+        help="The output is JSON valid under this JSON Schema (a file, or the schema's text).",
+    ),
+    click.option("--json-object", is_flag=True, help="The output is a JSON object (any)."),
+    click.option("--regex", default=None, metavar="RE", help="The whole output matches this regular expression."),
+    click.option(
+        "--grammar",
+        "--grammar-file",
+        "grammar",
+        type=click.Path(path_type=Path, dir_okay=False),
+        default=None,
+        help="The output is in this grammar's language: a llama.cpp GBNF file (.gbnf, or `::=` rules) or Lark.",
+    ),
+    click.option("--choice", multiple=True, help="The output is exactly one of these strings (repeatable)."),
     click.option(
         "--draft",
         type=click.Path(path_type=Path),

@@ -28,6 +28,7 @@ import numpy as np
 
 from gpt2edge.api_args import text_arg
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.constraints import compile_for
 from gpt2edge.runtime.decoding.beam import check_one_sequence
 from gpt2edge.runtime.decoding.generate import GenerationState, Step, configure_head, decode_n_tokens
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
@@ -185,6 +186,7 @@ class Conversation:
         """Check the turn's parameters before anything changes; raises GenerationError."""
         gen = self.generator
         search = {k: sampling.pop(k, None) for k in ("num_beams", "num_return_sequences")}
+        constraint = sampling.pop("constraint", None)
         check_one_sequence(gen.defaults, "A session", **search)  # one sequence per turn, whatever the folder asks
         params = gen.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
         if params.max_new_tokens >= self.n_positions:
@@ -192,8 +194,10 @@ class Conversation:
                 f"max_new_tokens={params.max_new_tokens} leaves no room for any context in the model's "
                 f"{self.n_positions} positions; lower it to at most {self.n_positions - 1}."
             )
+        compiled = compile_for(gen, constraint)  # this turn's text alone must match it
         self._check_idle()
-        return GenerationState(prompts=[], params=params, logprobs=gen.logprob_recorder(logprobs, 1))
+        recorder = gen.logprob_recorder(logprobs, 1)
+        return GenerationState(prompts=[], params=params, logprobs=recorder, constraint=compiled)
 
     def _steps(self, prompt: str | None, state: GenerationState) -> Iterator[Step]:
         """One turn: extend the history, feed what the cache lacks, decode; the generated tokens join the

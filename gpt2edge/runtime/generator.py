@@ -12,6 +12,7 @@ import numpy as np
 from gpt2edge.api_args import path_arg, prompts_arg, text_arg
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.call_params import as_tuple, merged_values, stop_strings
+from gpt2edge.runtime.constraints import Constraint, compile_for
 from gpt2edge.runtime.conversation import ContextOverflow, Conversation
 from gpt2edge.runtime.decoding.beam import (
     BeamState,
@@ -114,12 +115,8 @@ class Generator:
         text); they join any `bad_words_ids`. folder_defaults=False skips generation_config.json (an API with its
         own defaults, such as the server's OpenAI ones: some knobs, e.g. min_p, have no value that means off)."""
         values = merged_values(self._defaults(folder_defaults), overrides, self.ban_ids(ban))
-        params = SamplingParams(
-            **values,
-            eos_token_id=() if ignore_eos else self.eos_token_id,
-            stop=stop_strings(stop),
-            seed=seed,
-        )
+        eos = () if ignore_eos else self.eos_token_id
+        params = SamplingParams(**values, eos_token_id=eos, stop=stop_strings(stop), seed=seed)
         params.check_vocab(self.graph.vocab_size)  # bad-word and EOS ids the graph does not have: before any work
         return params
 
@@ -166,6 +163,7 @@ class Generator:
         length_penalty: float | None = None,
         early_stopping: bool | str | None = None,
         folder_defaults: bool = True,
+        constraint: Constraint | None = None,
         **sampling: Any,
     ) -> GenerationResult | list[GenerationResult] | list[list[GenerationResult]]:
         """Generate for one prompt (returns a result) or a list of prompts (a left-padded batch; a list).
@@ -176,7 +174,7 @@ class Generator:
         With num_return_sequences > 1 each prompt gets a list of results instead (best beam first), so a
         prompt gives a list and a list of prompts a list of lists. num_beams > 1 is beam search (results
         carry sequence_score); num_return_sequences > 1 without it samples, prefilling each prompt once.
-        """
+        constraint: the text must match it (docs/structured.md); each row (sequence) has its own matcher."""
         params = self.sampling_params(
             ignore_eos=ignore_eos, stop=stop, seed=seed, folder_defaults=folder_defaults, **sampling
         )
@@ -186,6 +184,7 @@ class Generator:
         )  # fmt: skip
         check_search(search, params)
         batch, single = prompts_arg(prompt)  # a str, or a list of them (TypeError otherwise)
+        compiled = compile_for(self, constraint)
         if search.expands:
             if self.speculator is not None:
                 raise GenerationError(
@@ -195,12 +194,12 @@ class Generator:
             if logprobs is not None:
                 raise GenerationError("logprobs is recorded for one sequence per prompt; drop num_beams or "
                                       "num_return_sequences, or logprobs.")  # fmt: skip
-            groups = self._generate_many(batch, truncate, callback, params, search)
+            groups = self._generate_many(batch, truncate, callback, params, search, compiled)
             if search.num_return_sequences == 1:
                 groups = [g[0] for g in groups]
             return groups[0] if single else groups
         recorder = self.logprob_recorder(logprobs, len(batch))
-        state = self._state(self._encode(batch, truncate, params, logprobs=logprobs), params, recorder)
+        state = self._state(self._encode(batch, truncate, params, logprobs=logprobs), params, recorder, compiled)
         with self._pool.lease() as lm:
             try:
                 for step in self._steps(lm, state):
@@ -218,6 +217,7 @@ class Generator:
         callback: Callable[[Step], None] | None,
         params: SamplingParams,
         search: SearchParams,
+        compiled=None,  # a CompiledConstraint: one matcher per sequence
     ) -> list[list[GenerationResult]]:
         """Beam search or several samples per prompt: num_return_sequences results per prompt."""
         if not prompts:
@@ -230,10 +230,10 @@ class Generator:
             )
         with self._pool.lease() as lm:
             if search.num_beams > 1:
-                state = BeamState(prompts=encoded, params=params, search=search)
+                state = BeamState(prompts=encoded, params=params, search=search, constraint=compiled)
                 steps = iter_beam_search(lm, self.tokenizer, state, self.pad_token_id)
             else:
-                state = GenerationState(prompts=encoded, params=params)
+                state = GenerationState(prompts=encoded, params=params, constraint=compiled)
                 n = search.num_return_sequences
                 steps = iter_generate_expanded(lm, self.tokenizer, state, self.pad_token_id, n)
             try:
@@ -264,6 +264,7 @@ class Generator:
         logprobs: int | None = None,
         num_beams: int | None = None,
         num_return_sequences: int | None = None,
+        constraint: Constraint | None = None,
         **sampling: Any,
     ) -> Iterator[str]:
         """Yield text pieces as they are decoded; never half a character, never part of a stop string. Pass
@@ -274,9 +275,9 @@ class Generator:
         several sequences (asked for here or by generation_config.json) raise; num_beams=1 streams one anyway."""
         check_one_sequence(self.defaults, "stream()", num_beams=num_beams, num_return_sequences=num_return_sequences)
         params = self.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
-        recorder = self.logprob_recorder(logprobs, 1)
+        recorder, compiled = self.logprob_recorder(logprobs, 1), compile_for(self, constraint)
         prompts = self._encode([text_arg(prompt, "prompt")], truncate, params, logprobs=logprobs)
-        return self._stream_pieces(self._state(prompts, params, recorder), result)
+        return self._stream_pieces(self._state(prompts, params, recorder, compiled), result)
 
     def logprob_recorder(self, n: int | None, batch: int) -> LogprobRecorder | None:
         """None when log-probs were not asked for; raises on an N outside 0 .. vocabulary size."""
@@ -289,16 +290,14 @@ class Generator:
         check_session_memory(self.folder)  # its cache is reserved for all n_positions at once
         return Conversation(self, self.graph.new_lm(self._pool.io_binding), on_overflow=on_overflow)
 
-    def _state(
-        self, prompts: list[list[int]], params: SamplingParams, recorder: LogprobRecorder | None = None
-    ) -> GenerationState:
+    def _state(self, prompts: list[list[int]], params: SamplingParams, recorder=None, compiled=None) -> GenerationState:
         """A fresh generation's state; a speculative one checks its parameters here, before any output."""
         if self.speculator is None:
-            return GenerationState(prompts=prompts, params=params, logprobs=recorder)
+            return GenerationState(prompts=prompts, params=params, logprobs=recorder, constraint=compiled)
         if recorder is not None:
             raise GenerationError("logprobs is not recorded by speculative decoding; drop the draft or logprobs.")
         self.speculator.check(prompts, params)
-        return SpecState(prompts=prompts, params=params)
+        return SpecState(prompts=prompts, params=params, constraint=compiled)
 
     def _steps(self, lm, state: GenerationState) -> Iterator[Step]:
         """The decode loop: plain, or speculative when the Generator has a draft or prompt lookup."""

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.constraints.rows import ConstrainedRows
 from gpt2edge.runtime.decoding.beam_search import BeamSearch
 from gpt2edge.runtime.decoding.expand import prefill_expanded
 from gpt2edge.runtime.decoding.generate import GenerationState, Step, decode_one_token
@@ -164,6 +165,7 @@ def iter_beam_search(lm: OrtLM, tokenizer: TextTokenizer | None, state: BeamStat
     num_return_sequences hypotheses per prompt, prompt by prompt, best first."""
     params, search, prompts = state.params, state.search, state.prompts
     nb, n_ret = search.num_beams, search.num_return_sequences
+    eos = params.eos_token_id
     beams = BeamSearch(
         len(prompts), nb, params.max_new_tokens, len(params.eos_token_id), search.length_penalty,
         search.early_stopping, fill=pad_id,
@@ -177,6 +179,10 @@ def iter_beam_search(lm: OrtLM, tokenizer: TextTokenizer | None, state: BeamStat
         row_prompts = [np.asarray(p, dtype=np.int64) for p in prompts for _ in range(nb)]
         stopped = _stopped(params, tokenizer)
         columns = lm_columns(lm)  # a trimmed head: its K columns, beams keep full ids
+        every = np.ones(len(row_prompts), dtype=bool)
+        cons = None if state.constraint is None else ConstrainedRows(state.constraint, len(every), eos, columns)
+        if cons is not None and not eos:  # a complete grammar ends a beam through its end token only
+            raise GenerationError("Beam search with a constraint needs the end-of-text token; drop ignore_eos.")
         for step in range(params.max_new_tokens):
             if np.isnan(logprobs).any():
                 raise GenerationError(
@@ -185,7 +191,11 @@ def iter_beam_search(lm: OrtLM, tokenizer: TextTokenizer | None, state: BeamStat
                 )
             t0 = time.perf_counter()
             scores = _process(logprobs, params, row_prompts, beams, step, columns)
+            if cons is not None:  # a matcher per beam: its disallowed tokens end no candidate
+                scores = np.where(cons.masks(every), scores, np.float32(-np.inf))
             rows, tokens = beams.step(scores, stopped, columns)
+            if cons is not None:
+                cons.follow(rows, tokens)  # each new beam: its parent's matcher, advanced by its token
             state.sampler_ms.append((time.perf_counter() - t0) * 1e3)
             state.wall_ms = (time.perf_counter() - start) * 1e3
             yield Step(step, tokens, np.ones(len(tokens), dtype=bool), [None] * len(tokens))

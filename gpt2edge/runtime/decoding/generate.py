@@ -9,15 +9,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.constraints.rows import ConstrainedRows
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, TokenLogprob
 from gpt2edge.runtime.decoding.sampling import SamplingParams, next_tokens
 from gpt2edge.runtime.model.columns import forward_columns, lm_columns
 from gpt2edge.runtime.model.lm import OrtLM
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
+
+if TYPE_CHECKING:
+    from gpt2edge.runtime.constraints.engine import CompiledConstraint
 
 
 @dataclass
@@ -44,6 +49,7 @@ class GenerationState:
     wall_ms: float = 0.0  # from the start of the prefill to the last sampled token
     logprobs: LogprobRecorder | None = None  # set to record each generated token's log-prob (and top-N)
     head: dict | None = None  # an approximate sparse head's description (runtime/sparse_head/approx.py)
+    constraint: CompiledConstraint | None = None  # structured output: a matcher per row (runtime/constraints)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, total: int) -> tuple[np.ndarray, np.ndarray]:
@@ -121,13 +127,15 @@ def decode_n_tokens(
     positions = mask[:, :S].sum(1)  # next position of each row
     seen = [np.asarray(p, dtype=np.int64) for p in state.prompts]
     eos = set(params.eos_token_id)
+    rows = None if state.constraint is None else ConstrainedRows(state.constraint, len(logprobs), eos, columns)
     for step in range(params.max_new_tokens):
         _check_finite(logprobs, step)
         raw = logprobs.copy() if state.logprobs is not None else None  # the model's, before any processor
-        t0 = time.perf_counter()
-        tokens = next_tokens(logprobs, params, seen, step, rng, columns)
-        state.sampler_ms.append((time.perf_counter() - t0) * 1e3)
         active = np.array([r is None for r in state.finish_reasons])
+        t0 = time.perf_counter()
+        allowed = None if rows is None else rows.masks(active)  # each row's grammar: its allowed tokens now
+        tokens = next_tokens(logprobs, params, seen, step, rng, columns, allowed)
+        state.sampler_ms.append((time.perf_counter() - t0) * 1e3)
         for b in np.flatnonzero(active):
             tok = int(tokens[b])
             state.generated[b].append(tok)
@@ -135,8 +143,8 @@ def decode_n_tokens(
                 seen[b] = np.append(seen[b], tok)
             if tok in eos:
                 state.finish_reasons[b] = "eos"
-            elif state.texts[b].push(tok):  # the row's text now contains a stop string
-                state.finish_reasons[b] = "stop"
+            elif state.texts[b].push(tok) | (rows is not None and rows.advance(b, tok)):
+                state.finish_reasons[b] = "stop"  # a stop string appeared, or the grammar is complete
             elif len(state.generated[b]) >= params.max_new_tokens:
                 state.finish_reasons[b] = "length"
             if state.finish_reasons[b] is not None:
@@ -147,6 +155,8 @@ def decode_n_tokens(
             return
         feed = np.where(active, tokens, pad_id)
         mask[:, S + step] = 1
+        if rows is not None:  # the next masks depend on the tokens only: computed during the forward
+            rows.prefetch(np.array([r is None for r in state.finish_reasons]))
         t0 = time.perf_counter()
         logprobs = decode_one_token(lm, feed, mask[:, : S + step + 1], positions)
         state.decode_ms.append((time.perf_counter() - t0) * 1e3)
@@ -173,7 +183,10 @@ def configure_head(lm: OrtLM, state: GenerationState) -> None:
     """A sparse head (gpt2edge.runtime.sparse_head) serves the steps this call allows; other LMs ignore it."""
     configure = getattr(lm, "configure_head", None)
     if configure is not None:  # an approximate head describes itself (the result says so), others return None
-        state.head = configure(state.params, state.logprobs is not None)
+        if state.constraint is not None and getattr(getattr(lm, "graph", None), "approximate", None):
+            raise GenerationError("An approximate sparse head does not take a constraint; use an exact export.")
+        # a constraint's mask needs every allowed token's score: the full head, as for recorded log-probs
+        state.head = configure(state.params, state.logprobs is not None or state.constraint is not None)
 
 
 def iter_generate(lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, pad_id: int) -> Iterator[Step]:

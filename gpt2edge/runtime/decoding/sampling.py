@@ -274,10 +274,19 @@ def next_tokens(
     n_generated: int,
     rng: np.random.Generator,
     columns: Columns | None = None,
+    allowed: np.ndarray | None = None,
 ) -> np.ndarray:
     """(B, W) log-probs -> (B,) next token ids: the processors, then argmax or the warpers and one draw per row.
-    W is V, or a trimmed head's K columns given by `columns`; the ids are full ids either way."""
+    W is V, or a trimmed head's K columns given by `columns`; the ids are full ids either way. `allowed`: a
+    constraint's (B, W) bool mask, applied after the processors and before the warpers (where transformers puts
+    a user LogitsProcessor), so the warpers filter and renormalise among allowed tokens only."""
     scores = apply_processors(scores, params, seen, n_generated, columns)
+    if allowed is not None:
+        scores = np.where(allowed, scores, NEG_INF)
+        if not (scores > NEG_INF).any(1).all():
+            raise GenerationError(
+                "The constraint allows no token here that bad_words_ids / min_new_tokens leave; relax them."
+            )
     if params.greedy:
         return greedy_tokens(scores, columns)
     out = np.empty(len(scores), dtype=np.int64)

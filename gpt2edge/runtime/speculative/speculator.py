@@ -170,6 +170,7 @@ def speculative_steps(
     state.texts = [TextStream(tokenizer, params.stop)]
     rng = np.random.default_rng(params.seed)
     history = list(prompt)
+    matcher = None if state.constraint is None else state.constraint.matcher()  # the emitted tokens' grammar state
     try:
         t0 = time.perf_counter()
         lp = target.feed(history)[None]  # (1, V) after the prompt
@@ -177,6 +178,8 @@ def speculative_steps(
         draft = Draft([])
         while True:
             t1 = time.perf_counter()
+            if matcher is not None:  # each position's target row among the tokens its grammar state allows
+                lp = np.where(_draft_masks(matcher, draft.tokens, params.eos_token_id, lp.shape), lp, -np.inf)
             verdict = _decide(lp, draft, params, history, len(history) - len(prompt), rng)
             state.sampler_ms.append((time.perf_counter() - t1) * 1e3)
             new = draft.tokens[: verdict.accepted] + [verdict.token]
@@ -186,7 +189,11 @@ def speculative_steps(
                 stats.emitted += len(new)
                 lengths.update(verdict.accepted, len(draft.tokens))
             for tok in new:
-                step = _emit(state, tok)
+                complete = False
+                if matcher is not None and tok not in params.eos_token_id:
+                    matcher.advance(tok)
+                    complete = matcher.done
+                step = _emit(state, tok, complete)
                 state.wall_ms = (time.perf_counter() - t0) * 1e3
                 yield step
                 if state.finish_reasons[0] is not None:
@@ -225,13 +232,32 @@ def _decide(lp: np.ndarray, draft: Draft, params, history: list[int], n_generate
     return verify_sampled(lp, draft.tokens, draft.q, dist_at, rng)
 
 
-def _emit(state: GenerationState, tok: int) -> Step:
-    """Record one generated token and whether it ends the row (EOS, a stop string, max_new_tokens)."""
+def _draft_masks(matcher, drafts: list[int], eos, shape: tuple) -> np.ndarray:
+    """(k + 1, V) allowed masks: row i after the emitted text and drafts[:i] (the matcher is rolled back after);
+    rows past a draft token the grammar refuses are never reached (that token has probability 0): all True."""
+    if shape[1] != matcher.compiled.vocab_size:
+        raise GenerationError("Speculative decoding on a vocabulary-trimmed head does not take a constraint.")
+    masks = np.ones(shape, dtype=bool)
+    taken = 0
+    for i in range(shape[0]):
+        masks[i] = matcher.allowed(eos)
+        if i == len(drafts) or drafts[i] in eos or not masks[i, drafts[i]]:  # (a refused token would break it)
+            break
+        matcher.advance(drafts[i])
+        taken += 1
+    if taken:
+        matcher.rollback(taken)
+    return masks
+
+
+def _emit(state: GenerationState, tok: int, complete: bool = False) -> Step:
+    """Record one generated token and whether it ends the row (EOS, a stop string or a complete grammar,
+    max_new_tokens)."""
     params, generated, text = state.params, state.generated[0], state.texts[0]
     generated.append(int(tok))
     if tok in params.eos_token_id:
         state.finish_reasons[0] = "eos"
-    elif text.push(tok):  # the text now contains a stop string
+    elif text.push(tok) or complete:  # the text now contains a stop string, or its grammar is complete
         state.finish_reasons[0] = "stop"
     elif len(generated) >= params.max_new_tokens:
         state.finish_reasons[0] = "length"

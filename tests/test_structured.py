@@ -1,0 +1,381 @@
+"""Structured output (gpt2edge.runtime.constraints on llguidance): every seeded sample is valid, end tokens come
+only where the grammar accepts, the mask sits where transformers puts a user LogitsProcessor (after the
+processors, before the warpers) with the same distribution, an allow-all mask changes nothing, and bad input is
+one line before any model work."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
+
+from gpt2edge.cli import main
+from gpt2edge.errors import GenerationError
+from gpt2edge.runtime import Generator
+from gpt2edge.runtime.constraints import Constraint, ConstraintError, compile_constraint
+from gpt2edge.runtime.constraints.spec import MAX_TEXT_BYTES
+from gpt2edge.runtime.decoding.sampling import SamplingParams, apply_processors, next_tokens, warp_row
+
+EOS = 0  # the tiny tokenizer's <|endoftext|>
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["color", "tags", "ok"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"type": "integer", "minimum": -50, "maximum": 50}, "minItems": 1, "maxItems": 5},
+    {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "y": {"type": "boolean"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+            "label": {"type": ["string", "null"], "maxLength": 5},
+        },
+        "required": ["point", "label"],
+        "additionalProperties": False,
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_export) -> Generator:
+    return Generator(tiny_export)
+
+
+def replay(gen: Generator, constraint: Constraint, r) -> None:
+    """Every token of a result was allowed when it was drawn, an end token only where the grammar accepted,
+    and a "stop" finish is a complete grammar."""
+    m = compile_constraint(constraint, gen.tokenizer, gen.graph.vocab_size, gen.eos_token_id).matcher()
+    for t in r.token_ids:
+        assert m.allowed(gen.eos_token_id)[t], (r.token_ids, t)
+        if t == EOS:
+            assert m.accepts_eos and r.finish_reason == "eos"
+            return
+        m.advance(t)
+    assert r.finish_reason == ("stop" if m.done else "length")
+
+
+@pytest.mark.parametrize("schema", range(len(SCHEMAS)))
+def test_every_seeded_sample_validates_against_its_schema(gen, schema):
+    # 4 schemas x 5 seeds x 50 sequences = 1,000 samples, each parsed and validated with jsonschema
+    c = Constraint.json_schema(SCHEMAS[schema])
+    for seed in range(5):
+        rs = gen.generate("The", constraint=c, do_sample=True, seed=seed, num_return_sequences=50, max_new_tokens=96)
+        for r in rs:
+            assert r.finish_reason in ("stop", "eos"), r.text
+            jsonschema.validate(json.loads(r.text), SCHEMAS[schema])
+        for r in rs[:5]:
+            replay(gen, c, r)
+
+
+def test_regex_choice_and_grammar_outputs_match(gen):
+    rx = r"[a-z]{1,5}( [0-9]{1,3}){0,2}"
+    c = Constraint.regex(rx)
+    rs = gen.generate(["A", "B"], constraint=c, do_sample=True, seed=1, num_return_sequences=50, max_new_tokens=16)
+    for r in [r for group in rs for r in group]:
+        assert re.fullmatch(rx, r.text), r.text
+        replay(gen, c, r)
+    assert {r.finish_reason for group in rs for r in group} <= {"eos", "stop"}
+    choices = ["yes", "no", "maybe not"]
+    rs = gen.generate("Q", constraint=Constraint.choice(choices), do_sample=True, seed=2, num_return_sequences=50)
+    assert {r.text for r in rs} <= set(choices) and len({r.text for r in rs}) > 1
+    assert {r.finish_reason for r in rs} == {"stop"}  # a finite language: complete without an end token
+    gbnf = Constraint.grammar('root ::= "(" digit{1,3} ")"\ndigit ::= [0-9]\n')
+    lark = Constraint.grammar('start: "(" DIGITS ")"\nDIGITS: /[0-9]{1,3}/\n')
+    assert gbnf.kind == "gbnf" and lark.kind == "lark"
+    for g in (gbnf, lark):
+        for r in gen.generate("x", constraint=g, do_sample=True, seed=3, num_return_sequences=20, max_new_tokens=24):
+            assert re.fullmatch(r"\([0-9]{1,3}\)", r.text) and r.finish_reason == "stop", r.text
+
+
+def test_greedy_stream_and_session_turns_are_constrained(gen):
+    c = Constraint.json_schema(SCHEMAS[2])
+    greedy = gen.generate("The", constraint=c, max_new_tokens=48)
+    jsonschema.validate(json.loads(greedy.text), SCHEMAS[2])
+    result: list = []
+    assert "".join(gen.stream("The", constraint=c, max_new_tokens=48, result=result)) == greedy.text
+    assert result[0].token_ids == greedy.token_ids
+    session = gen.session()
+    first = session.generate("Q:", constraint=Constraint.regex("[0-9]{2}"), max_new_tokens=8)
+    second = session.generate(" then", constraint=Constraint.choice(["up", "down"]), max_new_tokens=8)
+    free = session.generate(" and", max_new_tokens=3, ignore_eos=True)  # a turn without one is free
+    assert re.fullmatch("[0-9]{2}", first.text) and second.text in ("up", "down") and len(free.token_ids) == 3
+
+
+def test_max_new_tokens_inside_a_structure_is_length(gen):
+    r = gen.generate("The", constraint=Constraint.json_schema(SCHEMAS[1]), max_new_tokens=3)
+    assert r.finish_reason == "length" and len(r.token_ids) == 3 and r.text.startswith('{"')
+
+
+def test_an_allow_all_mask_leaves_greedy_ids_and_seeded_draws_unchanged(gen, monkeypatch):
+    from gpt2edge.runtime.constraints import rows
+
+    c = Constraint.regex("[a-z]+")  # compiled for real; its mask is replaced by one allowing every token
+    monkeypatch.setattr(rows, "allowed_masks", lambda ms, eos: np.ones((len(ms), gen.graph.vocab_size), bool))
+    monkeypatch.setattr(rows.ConstrainedRows, "advance", lambda self, row, token: False)
+    for kw in (dict(do_sample=False), dict(do_sample=True, seed=5, top_k=0), dict(do_sample=True, seed=6, top_p=0.8)):
+        free = gen.generate(["The", "A river"], max_new_tokens=20, **kw)
+        masked = gen.generate(["The", "A river"], max_new_tokens=20, constraint=c, **kw)
+        assert [r.token_ids for r in masked] == [r.token_ids for r in free]
+        assert [r.finish_reason for r in masked] == [r.finish_reason for r in free]
+
+
+# ---- exactness: the mask as transformers applies a user LogitsProcessor (after its processors, before warpers)
+
+
+class MaskProcessor(LogitsProcessor):
+    def __init__(self, allowed: np.ndarray):
+        self.allowed = torch.from_numpy(allowed)
+
+    def __call__(self, input_ids, scores):
+        return scores.masked_fill(~self.allowed, -float("inf"))
+
+
+def transformers_pipeline(vocab: int, p: SamplingParams, allowed: np.ndarray):
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=1, n_embd=4, vocab_size=vocab))
+    options = {k: getattr(p, k) for k in ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p")}
+    config = GenerationConfig(
+        **options,
+        repetition_penalty=p.repetition_penalty,
+        min_new_tokens=p.min_new_tokens,
+        eos_token_id=list(p.eos_token_id),
+    )
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=False, device="cpu")
+    user = LogitsProcessorList([MaskProcessor(allowed)])
+    return model._get_logits_processor(config, input_ids_seq_length=10, logits_processor=user, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.3),
+        dict(temperature=1.3, top_k=0, top_p=0.95, min_p=0.05),
+        dict(temperature=0.9, top_k=40, typical_p=0.8, min_new_tokens=4),
+    ],
+)
+def test_the_masked_distribution_equals_transformers_with_a_mask_processor(options):
+    V = 500
+    rng = np.random.default_rng(0)
+    p = SamplingParams(max_new_tokens=8, do_sample=True, eos_token_id=(EOS,), **options)
+    history = rng.integers(0, V, (3, 12))
+    scores = rng.standard_normal((3, V)).astype(np.float32) * 3
+    scores -= np.log(np.exp(scores).sum(-1, keepdims=True))
+    allowed = rng.random((3, V)) < 0.2
+    allowed[:, :3] = True  # each row keeps a few tokens whatever the draw
+    ref = transformers_pipeline(V, p, allowed)(torch.from_numpy(history), torch.from_numpy(scores.copy()))
+    ref = torch.softmax(ref, -1).numpy()
+    processed = np.where(allowed, apply_processors(scores, p, list(history), 2), -np.inf).astype(np.float32)
+    ours = np.zeros_like(scores)
+    for b, row in enumerate(processed):
+        ids, probs = warp_row(row, p)
+        ours[b, ids] = probs
+    assert ((ours > 0) == (ref > 0)).all() and not (ours[~allowed] > 0).any()
+    assert np.abs(ours - ref).max() < 1e-6
+    # next_tokens applies this same mask at that same place: its seeded draws are those of the masked scores
+    for seed in range(20):
+        a = next_tokens(scores, p, list(history), 2, np.random.default_rng(seed), allowed=allowed)
+        b = next_tokens(np.where(allowed, scores, -np.inf), p, list(history), 2, np.random.default_rng(seed))
+        assert (a == b).all() and allowed[np.arange(3), a].all()
+    greedy = SamplingParams(max_new_tokens=8, eos_token_id=(EOS,))
+    picked = next_tokens(scores, greedy, list(history), 2, None, allowed=allowed)
+    assert (picked == np.where(allowed, scores, -np.inf).argmax(1)).all()
+
+
+# ---- paths that refuse a constraint, or take it on a trimmed / static folder
+
+
+def test_beam_search_keeps_a_matcher_per_beam(gen):
+    rx = "[a-z]{2,4}( [0-9]{1,2})?"
+    groups = gen.generate(["The", "A"], constraint=Constraint.regex(rx), num_beams=4, num_return_sequences=3)
+    for group in groups:
+        assert len(group) == 3 and all(re.fullmatch(rx, r.text) for r in group), [r.text for r in group]
+        assert [r.sequence_score for r in group] == sorted((r.sequence_score for r in group), reverse=True)
+    c = Constraint.json_schema(SCHEMAS[2])
+    for r in gen.generate("The", constraint=c, num_beams=3, num_return_sequences=3, max_new_tokens=40):
+        jsonschema.validate(json.loads(r.text), SCHEMAS[2])
+    with pytest.raises(GenerationError, match="ignore_eos"):
+        gen.generate("The", constraint=c, num_beams=2, ignore_eos=True)
+
+
+def test_speculative_decoding_checks_drafts_against_the_matcher(tiny_export_all):
+    # drafts the grammar refuses have probability 0 under the masked target: rejected, the matcher rolled back;
+    # greedy output is plain constrained greedy's, token for token
+    plain, spec = Generator(tiny_export_all), Generator(tiny_export_all, prompt_lookup=1, draft_tokens=3)
+    for c in (Constraint.json_schema(SCHEMAS[2]), Constraint.regex("[a-z]{2,6}( [a-z]{2,6}){0,3}")):
+        want = plain.generate("ab ab ab", constraint=c, max_new_tokens=40)
+        got = spec.generate("ab ab ab", constraint=c, max_new_tokens=40)
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    for seed in range(10):
+        r = spec.generate("The", constraint=Constraint.json_schema(SCHEMAS[2]), do_sample=True, seed=seed)
+        jsonschema.validate(json.loads(r.text), SCHEMAS[2])
+    with pytest.raises(ConstraintError, match="Constraint"):
+        plain.generate("The", constraint="[a-z]+")
+
+
+def test_a_trimmed_head_takes_the_mask_on_its_kept_columns(tiny_export, tmp_path):
+    from gpt2edge.trim.handler import trim_vocab
+
+    keep = tmp_path / "keep.json"
+    keep.write_text(json.dumps([EOS, *range(1, 60)]))
+    trim_vocab(tiny_export, tmp_path / "trimmed", keep_ids=keep, report=False)
+    g = Generator(tmp_path / "trimmed")
+    kept = set(g.lm.columns.ids.tolist())
+    rs = g.generate("x", constraint=Constraint.regex("[0-9]{2,4}"), do_sample=True, seed=0, num_return_sequences=10)
+    for r in rs:
+        assert re.fullmatch("[0-9]{2,4}", r.text) and set(r.token_ids) <= kept
+
+
+def test_a_constraint_that_needs_a_dropped_token_is_refused(gen):
+    # trim-vocab always keeps the 256 byte tokens (any text stays spellable), so this takes a hand-made column
+    # map: a head whose columns hold no digit at all
+    from gpt2edge.runtime.constraints.rows import ConstrainedRows
+    from gpt2edge.runtime.model.columns import Columns
+
+    no_digit = [i for i in range(400) if not re.search("[0-9]", gen.tokenizer.decode([i], skip_special_tokens=False))]
+    compiled = compile_constraint(Constraint.regex("[0-9]+"), gen.tokenizer, 400, gen.eos_token_id)
+    rows = ConstrainedRows(compiled, 2, gen.eos_token_id, Columns.of(np.array(no_digit), 400))
+    with pytest.raises(ConstraintError, match="trimmed head dropped") as e:
+        rows.masks(np.array([True, True]))
+    assert "\n" not in str(e.value)
+    kept = ConstrainedRows(compiled, 1, gen.eos_token_id, Columns.of(np.arange(400), 400)).masks(np.array([True]))
+    assert kept.shape == (1, 400) and kept.sum() == len(set(range(400)) - set(no_digit))
+
+
+def test_choices_with_quotes_backslashes_newlines_and_emoji(gen):
+    options = ['a "q"', "back\\slash", "é😀", "new\nline"]
+    rs = gen.generate("x", constraint=Constraint.choice(options), do_sample=True, seed=0, num_return_sequences=30)
+    assert {r.text for r in rs} <= set(options)
+
+
+def test_without_the_structured_extra_a_constraint_names_the_install(gen, monkeypatch):
+    from gpt2edge import extras
+    from gpt2edge.errors import MissingExtraError
+
+    real = extras.find_spec
+    monkeypatch.setattr(extras, "find_spec", lambda name: None if name == "llguidance" else real(name))
+    with pytest.raises(MissingExtraError, match=r"pip install 'gpt2edge\[structured\]'"):
+        gen.generate("x", constraint=Constraint.regex("[a-z]+"))
+
+
+# ---- bad input: one line, before any model work, bounded by the limits
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: Constraint.json_schema("{bad"), "not valid JSON"),
+        (lambda: Constraint.json_schema("[1, 2]"), "is an object"),
+        (lambda: Constraint.json_schema("x" * (10 * 2**20)), "limit is"),
+        (lambda: Constraint.json_schema('{"items":' * 10_000 + "{}" + "}" * 10_000), "10001 levels deep"),
+        (lambda: Constraint.regex("(" * 10_000 + ")" * 10_000), "levels deep"),
+        (lambda: Constraint.choice([]), "non-empty"),
+        (lambda: Constraint.choice("yes"), "list of strings"),
+        (lambda: Constraint("xml", "<a/>"), "Unknown constraint kind"),
+        (lambda: Constraint.regex(""), "empty"),
+    ],
+)
+def test_malformed_constraints_are_refused_in_one_line(make, match):
+    with pytest.raises(ConstraintError, match=match) as e:
+        make()
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "c,match",
+    [
+        (Constraint.json_schema({"type": "array", "uniqueItems": True}), "does not support: uniqueItems"),
+        (Constraint.json_schema({"type": "string", "minLength": 5, "maxLength": 2}), "Unsatisfiable"),
+        (Constraint.regex("(ab"), "unclosed group"),
+        (Constraint.lark("start: ("), "lark"),
+        (Constraint.gbnf("root ::= missing"), "not found"),
+        (Constraint.regex(r"[^\s\S]"), "empty"),
+    ],
+)
+def test_what_the_engine_refuses_is_one_line(gen, c, match):
+    with pytest.raises(GenerationError, match=match) as e:
+        gen.generate("The", constraint=c, max_new_tokens=4)
+    assert "\n" not in str(e.value)
+
+
+def test_a_catastrophic_regex_compiles_and_generates(gen):
+    # backtracking engines take exponential time on (a+)+$; llguidance's derivative lexer does not backtrack
+    r = gen.generate("a", constraint=Constraint.regex("(a+)+$"), max_new_tokens=8, do_sample=True, seed=0)
+    assert re.fullmatch("a+", r.text)
+
+
+def test_compiled_constraints_are_cached(gen):
+    from gpt2edge.runtime.constraints import compile_for
+
+    c = Constraint.json_schema(SCHEMAS[0])
+    assert compile_for(gen, c) is compile_for(gen, Constraint.json_schema(SCHEMAS[0]))
+
+
+def test_cli_constraint_flags(tiny_export, tmp_path):
+    run = lambda *a: CliRunner().invoke(main, ["generate", str(tiny_export), "-p", "x", "--no-stream", *a])
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMAS[2]))
+    r = run("--json-schema", str(schema), "-n", "40", "--json")
+    assert r.exit_code == 0, r.output
+    jsonschema.validate(json.loads(json.loads(r.stdout)["text"]), SCHEMAS[2])
+    r = run("--json-schema", json.dumps(SCHEMAS[2]), "-n", "40", "--json")
+    assert r.exit_code == 0 and json.loads(json.loads(r.stdout)["text"])
+    r = run("--choice", "left", "--choice", "right", "--json")
+    assert json.loads(r.stdout)["text"] in ("left", "right")
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "a" [0-9]\n')
+    r = run("--grammar-file", str(grammar), "--json")
+    assert re.fullmatch("a[0-9]", json.loads(r.stdout)["text"])
+    r = run("--regex", "[0-9]{3}", "--json")
+    assert re.fullmatch("[0-9]{3}", json.loads(r.stdout)["text"])
+    r = run("--json-object", "-n", "64", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["text"].startswith("{")
+    for args, code in [
+        (("--regex", "(ab"), 1),
+        (("--json-schema", '{"type": "array", "uniqueItems": true}'), 1),
+        (("--json-schema", str(tmp_path / "missing.json")), 1),
+        (("--regex", "a", "--choice", "b"), 2),
+    ]:
+        r = run(*args)
+        assert r.exit_code == code, r.output
+        assert "Traceback" not in r.output and re.search("^(error|Error): ", r.output, re.M), r.output
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (MAX_TEXT_BYTES + 10))
+    r = run("--json-schema", str(big))
+    assert r.exit_code == 1 and "error: --json-schema" in r.output
+
+
+def test_static_and_sparse_folders_take_a_constraint(gen, tiny_checkpoint, tiny_export, tmp_path):
+    from gpt2edge.sparse.handler import sparse_head
+
+    r = CliRunner().invoke(main, ["export", "-m", str(tiny_checkpoint), str(tmp_path / "static"), "--static", "2x8x64"])
+    assert r.exit_code == 0, r.output
+    sparse_head(tiny_export, tmp_path / "sparse", rank=4, candidates_k=32)
+    c = Constraint.regex("[0-9]{2,5}")
+    want = [x.token_ids for x in gen.generate(["a", "b"], constraint=c, max_new_tokens=8)]
+    for folder in ("static", "sparse"):  # the sparse head serves a constrained step with its full head
+        got = Generator(tmp_path / folder).generate(["a", "b"], constraint=c, max_new_tokens=8)
+        assert [x.token_ids for x in got] == want and all(re.fullmatch("[0-9]{2,5}", x.text) for x in got)
