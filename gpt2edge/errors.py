@@ -77,3 +77,8 @@ class SparseHeadError(Gpt2EdgeError):
 
 class ResourceError(Gpt2EdgeError):
     """The machine has less memory or disk than a request is estimated to need (checked before any work)."""
+
+
+class SessionFileError(Gpt2EdgeError):
+    """A saved session file cannot be written, or is refused on restore: not a session file, another format
+    version, saved from another export folder, truncated, or damaged (its sha256 differs). The session is unchanged."""

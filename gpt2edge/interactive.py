@@ -5,7 +5,9 @@ nothing and lets the model go on) and the model's continuation is streamed to st
 Everything else (the banner, the `> ` prompt on a terminal, one status line per turn, context-overflow
 notices) goes to stderr, so stdout holds only the model's text.
 
-Commands: /reset forgets the context, /quit (or end of input) exits with status 0. Ctrl-C while the model
+Commands: /reset forgets the context, /save FILE writes the context and its KV cache to FILE and /load FILE
+restores one (gpt2edge.runtime.session_file; a refused file prints one `error:` line and the session goes on
+unchanged), /quit (or end of input) exits with status 0. Ctrl-C while the model
 writes ends that turn (what it wrote stays in the context) and returns to the prompt; Ctrl-C at the prompt
 exits with status 130, the shell's code for an interrupt. No traceback either way.
 """
@@ -16,12 +18,13 @@ import sys
 from contextlib import closing
 from typing import Any, TextIO
 
+from gpt2edge.errors import Gpt2EdgeError
 from gpt2edge.runtime.conversation import ContextOverflow, Conversation
 from gpt2edge.runtime.generator import Generator
 
 BANNER = (
     "[interactive: each line extends the context and the model continues it; an empty line lets it go on; "
-    "/reset clears the context; /quit or end of input exits]"
+    "/reset clears the context; /save FILE, /load FILE keep it; /quit or end of input exits]"
 )
 
 
@@ -55,11 +58,34 @@ def run_interactive(
                     print("[context cleared]", file=err, flush=True)
                     line = None
                     continue
+                if command(session, line, err):
+                    line = None
+                    continue
             turn(session, line, options, out, err)  # Ctrl-C in a turn ends the turn only
             line = None
     except KeyboardInterrupt:  # at the prompt (or between turns): leave
         print(file=err, flush=True)
         return 130
+
+
+def command(session: Conversation, line: str, err: TextIO) -> bool:
+    """Run a /save or /load line; False for any other line. An error is one line on `err`; the session goes on."""
+    name, _, arg = line.strip().partition(" ")
+    if name not in ("/save", "/load"):
+        return False
+    arg = arg.strip()
+    try:
+        if not arg:
+            raise Gpt2EdgeError(f"{name} needs a file name: {name} FILE.")
+        if name == "/save":
+            session.save(arg)
+            print(f"[saved {len(session.token_ids)} tokens to {arg}]", file=err, flush=True)
+        else:
+            session.load(arg)
+            print(f"[loaded {len(session.token_ids)} tokens from {arg}]", file=err, flush=True)
+    except Gpt2EdgeError as e:
+        print(f"error: {e}", file=err, flush=True)
+    return True
 
 
 def read_line(stdin: TextIO, err: TextIO) -> str | None:

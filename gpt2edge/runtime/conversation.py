@@ -16,12 +16,14 @@ ContextOverflowWarning.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,6 +39,7 @@ from gpt2edge.runtime.model.columns import forward_columns
 from gpt2edge.runtime.model.lm import OrtLM
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 from gpt2edge.runtime.results import GenerationResult, results_of
+from gpt2edge.runtime.session_file import read_session, save_session
 
 
 class GeneratorLike(Protocol):
@@ -123,6 +126,24 @@ class Conversation:
         self._check_idle()
         self._history = []
         self._cache_valid = False
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the context and its KV cache to `path` (atomically; gpt2edge.runtime.session_file). A session
+        loaded from it continues with exactly the tokens this one would. Raises SessionFileError."""
+        self._check_idle()
+        cached = self.lm.past_len if self._cache_valid else 0  # an invalid cache is rebuilt after load, as here
+        return save_session(path, self.lm, self._history, cached)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Replace the context and cache with a file save() wrote from this folder; every check runs before
+        anything changes, so a refused file (SessionFileError, one line) leaves the session as it was."""
+        self._check_idle()
+        saved = read_session(path, self.lm)
+        self.lm.start(1, self.n_positions)  # the same reservation; past_len = 0
+        if saved.cached:
+            self.lm.load_row(saved.tensors)
+        self._history = saved.tokens
+        self._cache_valid = saved.cached > 0
 
     def generate(
         self,

@@ -88,3 +88,19 @@ class CacheRows:
         else:
             self._presents = [np.ascontiguousarray(p[:, :, slots]) for p in self._presents]
         self.past_len = len(slots)
+
+    def row_tensors(self) -> list[np.ndarray]:
+        """A one-row generation's cache: (nh, past_len, hs) per past input, in past_names order (views: copy to
+        keep them past the next forward). gpt2edge.runtime.session_file saves them."""
+        if self.io_binding or self.shared:
+            return self.cache.row_tensors(self.past_len)
+        return [p[0] for p in self._presents]
+
+    def load_row(self, tensors: list[np.ndarray]) -> None:
+        """The reverse of row_tensors on a fresh one-row reservation: the cache then holds those P positions."""
+        P = tensors[0].shape[1] if tensors else 0
+        if self.io_binding or self.shared:
+            self.cache.load_row(tensors)
+        else:
+            self._presents = [np.array(t[None], dtype=self.kv_dtype) for t in tensors]
+        self.past_len = P

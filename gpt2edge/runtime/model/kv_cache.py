@@ -128,6 +128,18 @@ class KVCache:
             self._storage.update_inplace(storage)
         self.src = dst
 
+    def row_tensors(self, past_len: int) -> list[np.ndarray]:
+        """Row 0's (nh, past_len, hs) key and value per tensor, views of the current past (a saved session)."""
+        if self.device != "cpu" or self.rows != 1:
+            raise ValueError("row_tensors reads a one-row CPU cache")
+        n = self._elems_of(past_len)
+        return [self._storage[self.src, t, :n].reshape(self.n_head, past_len, self.head_dim) for t in range(self.n_tensors)]
+
+    def load_row(self, tensors: list[np.ndarray]) -> None:
+        """Write (nh, P, hs) per tensor as row 0's past (a restored session), after reserve(1, length)."""
+        for t, arr in enumerate(tensors):
+            self._storage[self.src, t, : arr.size] = arr.ravel()
+
     def _elems_of(self, length: int) -> int:
         return self.rows * self.n_head * length * self.head_dim
 
@@ -174,6 +186,17 @@ class SharedKVCache(KVCache):
         """Row r of every buffer as a (1, nh, capacity, hs) view: contiguous, so it can be bound as a batch of
         one (the graph then reads and writes that row in place)."""
         return [self._storage[i, r : r + 1] for i in range(self.n_tensors)]
+
+    def row_tensors(self, past_len: int) -> list[np.ndarray]:
+        """Row 0's (nh, past_len, hs) entries per tensor (strided views of the shared buffers)."""
+        if self.rows != 1:
+            raise ValueError("row_tensors reads a one-row cache")
+        return [cache[0, :, :past_len] for cache in self._storage]
+
+    def load_row(self, tensors: list[np.ndarray]) -> None:
+        """Write (nh, P, hs) per tensor into row 0's first P slots; the graph never reads the slots after them."""
+        for cache, arr in zip(self._storage, tensors):
+            cache[0, :, : arr.shape[1]] = arr
 
     def gather_rows(self, index: np.ndarray, past_len: int) -> None:
         """New row r = old row index[r], in place, for the first past_len positions only. Rows that keep their
