@@ -57,9 +57,10 @@ def test_without_io_binding_and_an_empty_session(tiny_export, tmp_path):
     b.load(tmp_path / "one")
     assert b.generate(" rose", **GREEDY).token_ids == want
     b.load(empty)
-    assert b.token_ids == [] and b.generate("The river", **GREEDY).token_ids == gen.session().generate(
-        "The river", **GREEDY
-    ).token_ids
+    assert (
+        b.token_ids == []
+        and b.generate("The river", **GREEDY).token_ids == gen.session().generate("The river", **GREEDY).token_ids
+    )
 
 
 @pytest.fixture(scope="module")

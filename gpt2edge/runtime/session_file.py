@@ -133,7 +133,9 @@ def read_session(path: str | os.PathLike, lm: Any) -> SavedSession:
     except OSError as e:
         raise SessionFileError(f"cannot read the session file {path}: {e.strerror or e}.") from e
     if len(payload) != expected:
-        raise SessionFileError(f"{path} is truncated: {start + len(payload)} bytes, its header says {start + expected}.")
+        raise SessionFileError(
+            f"{path} is truncated: {start + len(payload)} bytes, its header says {start + expected}."
+        )
     if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
         raise SessionFileError(f"{path} is damaged: its payload does not match its sha256; save the session again.")
     n, cached = header["tokens"], header["cached"]

@@ -133,7 +133,9 @@ class KVCache:
         if self.device != "cpu" or self.rows != 1:
             raise ValueError("row_tensors reads a one-row CPU cache")
         n = self._elems_of(past_len)
-        return [self._storage[self.src, t, :n].reshape(self.n_head, past_len, self.head_dim) for t in range(self.n_tensors)]
+        return [
+            self._storage[self.src, t, :n].reshape(self.n_head, past_len, self.head_dim) for t in range(self.n_tensors)
+        ]
 
     def load_row(self, tensors: list[np.ndarray]) -> None:
         """Write (nh, P, hs) per tensor as row 0's past (a restored session), after reserve(1, length)."""
