@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpt2edge.errors import SessionFileError
+from gpt2edge.errors import GenerationError, SessionFileError
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.session_file import MAGIC, read_session
 
@@ -184,3 +184,15 @@ def test_cli_interactive_save_and_load(tiny_export, tmp_path):
     assert f"error: {junk} is not a gpt2edge session file (no session header)." in err.splitlines()
     assert "error: /save needs a file name" in err and "error: /load needs a file name" in err
     assert f" tokens from {f}]" in err and "Traceback" not in err
+
+
+def test_save_and_load_refuse_while_a_stream_is_open(saved):
+    gen, path, _ = saved
+    s = gen.session()
+    pieces = s.stream("The river", **GREEDY)
+    next(pieces)
+    for call in (lambda: s.save(path), lambda: s.load(path)):
+        with pytest.raises(GenerationError, match="a stream is still open"):
+            call()
+    pieces.close()
+    s.load(path)  # once the turn has ended

@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -130,20 +130,20 @@ class Conversation:
     def save(self, path: str | os.PathLike) -> Path:
         """Write the context and its KV cache to `path` (atomically; gpt2edge.runtime.session_file). A session
         loaded from it continues with exactly the tokens this one would. Raises SessionFileError."""
-        self._check_idle()
-        cached = self.lm.past_len if self._cache_valid else 0  # an invalid cache is rebuilt after load, as here
-        return save_session(path, self.lm, self._history, cached)
+        with self._idle():
+            cached = self.lm.past_len if self._cache_valid else 0  # an invalid cache is rebuilt after load, as here
+            return save_session(path, self.lm, self._history, cached)
 
     def load(self, path: str | os.PathLike) -> None:
         """Replace the context and cache with a file save() wrote from this folder; every check runs before
         anything changes, so a refused file (SessionFileError, one line) leaves the session as it was."""
-        self._check_idle()
-        saved = read_session(path, self.lm)
-        self.lm.start(1, self.n_positions)  # the same reservation; past_len = 0
-        if saved.cached:
-            self.lm.load_row(saved.tensors)
-        self._history = saved.tokens
-        self._cache_valid = saved.cached > 0
+        with self._idle():  # no turn may start while the cache is read or replaced
+            saved = read_session(path, self.lm)
+            self.lm.start(1, self.n_positions)  # the same reservation; past_len = 0
+            if saved.cached:
+                self.lm.load_row(saved.tensors)
+            self._history = saved.tokens
+            self._cache_valid = saved.cached > 0
 
     def generate(
         self,
@@ -277,6 +277,16 @@ class Conversation:
         self.last_prefill_tokens = ids.shape[1]
         positions = np.arange(past, len(self._history), dtype=np.int64)[None]  # (1, S)
         return forward_columns(lm, ids, self._mask[:, : len(self._history)], positions)
+
+    @contextmanager
+    def _idle(self) -> Iterator[None]:
+        """Hold the turn lock for a call that reads or replaces the cache (save, load); refuse while a turn runs."""
+        if not self._turn.acquire(blocking=False):
+            self._refuse_busy()
+        try:
+            yield
+        finally:
+            self._turn.release()
 
     def _check_idle(self) -> None:
         if self._turn.locked():
