@@ -57,7 +57,10 @@ def model_facts(lm: Any) -> dict[str, Any]:
             "sparse-head or CUDA one)."
         )
     folder = lm.folder
-    manifest = (Path(folder.path) / MANIFEST_NAME).read_bytes()
+    try:
+        manifest = (Path(folder.path) / MANIFEST_NAME).read_bytes()
+    except OSError as e:  # the folder moved or was deleted since the Generator loaded it
+        raise SessionFileError(f"cannot read {folder.path}/{MANIFEST_NAME}: {e.strerror or e}.") from e
     graph = folder.info.files.get(folder.graph.file)
     return {
         "manifest_sha256": hashlib.sha256(manifest).hexdigest(),
