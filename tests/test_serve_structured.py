@@ -211,3 +211,14 @@ def test_next_batch_scheduler_drives_the_runtime_with_the_constraint(tiny_export
         want = ref.generate("The", constraint=Constraint.json_schema(SCHEMA), max_new_tokens=48, **GREEDY)
         assert c["text"] == want.text and c["finish_reason"] == "stop"
         assert post(url, {"prompt": "The", "max_tokens": 4, "guided_regex": "(ab"}).status_code == 400
+
+
+def test_a_seeded_constrained_request_gets_the_runtimes_draws(server, ref):
+    from gpt2edge.serve.scheduling.jobs import Sampling
+
+    body = {"prompt": "The", "max_tokens": 48, "temperature": 1.0, "seed": 7, "guided_json": SCHEMA}
+    text = post(server[0], body).json()["choices"][0]["text"]
+    kwargs = Sampling(temperature=1.0, seed=7).generate_kwargs()
+    want = ref.generate("The", constraint=Constraint.json_schema(SCHEMA), max_new_tokens=48, **kwargs)
+    assert text == want.text
+    valid_json(text)
