@@ -31,6 +31,7 @@ CACHE_SIZE = 64
 JSON_OPTIONS = {"whitespace_flexible": False}
 _lock = threading.Lock()
 _cache: OrderedDict[tuple, CompiledConstraint] = OrderedDict()
+_counts = {"hits": 0, "misses": 0}  # cache look-ups since the process started (the server's /metrics-style stats)
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TextTokenizer -> (digest, LLTokenizer)
 
 
@@ -194,7 +195,9 @@ def compile_constraint(
         hit = _cache.get(key)
         if hit is not None:
             _cache.move_to_end(key)
+            _counts["hits"] += 1
             return hit
+        _counts["misses"] += 1
     t0 = time.perf_counter()
     template = llg.LLMatcher(lt, _grammar(llg, c), log_level=0, limits=limits())
     if template.is_error():
@@ -219,7 +222,7 @@ def compile_constraint(
 
 def cache_info() -> dict[str, int]:
     with _lock:
-        return {"size": len(_cache), "max": CACHE_SIZE}
+        return {"size": len(_cache), "max": CACHE_SIZE, **_counts}
 
 
 def compile_for(generator: Any, constraint: object) -> CompiledConstraint | None:

@@ -94,7 +94,7 @@ async def respond(request: Request, req: Any, shape: Shape, prompt_override: lis
     job = Job(
         plan.prompts, plan.prompt_lens, plan.n, plan.max_tokens, plan.sampling, plan.stop, events.emit,
         scheduler.tokenizer, plan.logprobs, plan.prompt_ids, metrics=request.app.state.metrics,
-        request_id=request.state.request_id,
+        request_id=request.state.request_id, constraint=plan.constraint,
     )  # fmt: skip
     request.app.state.metrics.prompt_tokens.inc(sum(plan.prompt_lens))
     events.job = job

@@ -53,6 +53,9 @@ def advance(row: Row, token: int, runtime_reason: str | None, record: TokenLogpr
         row.logprobs.push(record)
     if runtime_reason == "eos":
         piece, reason = row.text.finish(), "stop"  # OpenAI reports end-of-text as "stop"
+    elif runtime_reason == "stop":  # the row's grammar is complete: its token is text, and nothing may follow
+        piece, _ = row.text.push(token)
+        piece, reason = piece + row.text.finish(), "stop"
     else:
         piece, hit = row.text.push(token)
         reason = "stop" if hit else None
@@ -104,6 +107,7 @@ def run_batch(generator, jobs: Sequence[Job]) -> int:
             max_new_tokens=max_new,
             callback=lambda step: on_step(rows, step),
             logprobs=top_n,
+            constraint=jobs[0].sampling.constraint,  # jobs share a batch only with an equal constraint (Job.key)
             **jobs[0].sampling.generate_kwargs(),
         )
     except _BatchDone:

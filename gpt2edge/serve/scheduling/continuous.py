@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from gpt2edge.errors import Gpt2EdgeError
+from gpt2edge.runtime.constraints.rows import ConstrainedRows
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
 from gpt2edge.runtime.decoding.sampling import SamplingParams, greedy_tokens, next_tokens
 from gpt2edge.runtime.model.lm import OrtGraph
@@ -51,6 +52,7 @@ class _Live:
     seen: list[np.ndarray]  # per row of the job: prompt + generated ids (read by history processors)
     in_cache: list[bool]  # per row of the job: holds a cache row now
     extras: list[RowPenalties] | None = None  # per row: penalties, logit_bias, stop_token_ids (when asked)
+    cons: ConstrainedRows | None = None  # structured output: a matcher per row (the runtime's, runtime/constraints)
 
     @property
     def running(self) -> bool:
@@ -86,6 +88,9 @@ class ContinuousScheduler(Scheduler):
                 self._join(jobs)
             if self._cache_rows:
                 tokens = np.array(self._pending, dtype=np.int64)
+                for live in self._live:  # the next masks depend on the sampled tokens only: made during the step
+                    if live.cons is not None:
+                        live.cons.prefetch(np.array(live.in_cache))
                 lp = self.slots.step(tokens)
                 self._stats.steps += 1
                 self._sample(lp, list(range(len(self._cache_rows))))
@@ -148,6 +153,9 @@ class ContinuousScheduler(Scheduler):
             if job.sampling.row_extras:
                 width = self.slots.columns.width if self.slots.columns is not None else int(gen.graph.vocab_size)
                 live.extras = [RowPenalties(job.sampling, width, self.slots.columns) for _ in job.rows]
+            if job.constraint is not None:  # end tokens (and stop_token_ids) only where the grammar accepts
+                ends = tuple(params.eos_token_id) + tuple(job.sampling.stop_token_ids)
+                live.cons = ConstrainedRows(job.constraint, len(job.rows), ends, self.slots.columns)
             self._live.append(live)
             for i in range(len(job.rows)):
                 self._cache_rows.append((live, i))
@@ -171,34 +179,57 @@ class ContinuousScheduler(Scheduler):
         where = {self._cache_rows[c]: j for j, c in enumerate(cache_rows)}
         for c in cache_rows:
             self._pending[c] = -1
-        columns, best = self.slots.columns, None
+        best: list[np.ndarray] = []
+
+        def best_of(scores: np.ndarray) -> np.ndarray:  # the step's argmax, computed once when a row needs it
+            if not best:
+                best.append(greedy_tokens(scores, self.slots.columns))
+            return best[0]
+
         for live in {self._cache_rows[c][0]: None for c in cache_rows}:  # each job once, in cache order
-            for i, row in enumerate(live.job.rows):
-                j = where.get((live, i))
-                if j is None:  # a finished row of a running job: the runtime still draws for it
-                    if not live.params.greedy and live.running:
-                        live.rng.random()
-                    continue
-                scores = lp[j : j + 1]
-                if live.extras is None and _plain_greedy(live.params, row.n_tokens):
-                    # no processor changes its scores: one argmax over every row of the step serves them all
-                    best = greedy_tokens(lp, columns) if best is None else best
-                    token = int(best[j])
-                else:
-                    adjusted = scores if live.extras is None else live.extras[i].apply(scores, row.n_tokens)
-                    token = int(next_tokens(adjusted, live.params, [live.seen[i]], row.n_tokens, live.rng, columns)[0])
-                if live.extras is not None:
-                    live.extras[i].push(token)
-                record = None
-                if live.recorder is not None:
-                    record = live.recorder.record(scores, np.array([token]), [True], columns)[0]
-                    live.recorder.rows[0].clear()  # the row keeps its own records (Row.logprobs)
-                if live.params.uses_history:
-                    live.seen[i] = np.append(live.seen[i], token)
-                eos = token in live.params.eos_token_id or token in live.job.sampling.stop_token_ids
-                if not row.done and not live.job.cancelled:
-                    advance(row, token, "eos" if eos else None, record)
-                self._pending[cache_rows[j]] = token
+            try:
+                allowed = self._allowed(live, where)
+                for i, row in enumerate(live.job.rows):
+                    j = where.get((live, i))
+                    if j is None:  # a finished row of a running job: the runtime still draws for it
+                        if not live.params.greedy and live.running:
+                            live.rng.random()
+                        continue
+                    self._pending[cache_rows[j]] = self._sample_row(live, i, row, lp, j, best_of, allowed)
+            except Gpt2EdgeError as e:  # this job's constraint cannot go on (e.g. no token left): it alone fails
+                fail([live.job], str(e))
+
+    def _allowed(self, live: _Live, where: dict) -> np.ndarray | None:
+        """(rows of the job, W) the job's grammar allows now, for its rows sampled at this step (None: free)."""
+        if live.cons is None:
+            return None
+        return live.cons.masks(np.array([(live, i) in where for i in range(len(live.job.rows))]))
+
+    def _sample_row(self, live: _Live, i: int, row: Row, lp: np.ndarray, j: int, best_of, allowed) -> int:
+        """Row i of the job (lp[j] its scores): pick its token, feed it to the row's text, matcher and extras.
+        The mask sits where the runtime puts it: after penalties / logit_bias and the processors, before the
+        warpers (next_tokens)."""
+        columns = self.slots.columns
+        scores = lp[j : j + 1]
+        if live.extras is None and live.cons is None and _plain_greedy(live.params, row.n_tokens):
+            token = int(best_of(lp)[j])  # no processor changes its scores: one argmax serves every such row
+        else:
+            adjusted = scores if live.extras is None else live.extras[i].apply(scores, row.n_tokens)
+            mask = None if allowed is None else allowed[i : i + 1]
+            token = int(next_tokens(adjusted, live.params, [live.seen[i]], row.n_tokens, live.rng, columns, mask)[0])
+        if live.extras is not None:
+            live.extras[i].push(token)
+        record = None
+        if live.recorder is not None:
+            record = live.recorder.record(scores, np.array([token]), [True], columns)[0]
+            live.recorder.rows[0].clear()  # the row keeps its own records (Row.logprobs)
+        if live.params.uses_history:
+            live.seen[i] = np.append(live.seen[i], token)
+        eos = token in live.params.eos_token_id or token in live.job.sampling.stop_token_ids
+        if not row.done and not live.job.cancelled:
+            complete = live.cons is not None and not eos and live.cons.advance(i, token)
+            advance(row, token, "eos" if eos else "stop" if complete else None, record)
+        return token
 
     def _release(self) -> None:
         """Free the cache rows of finished rows and of clients that left (the last row moves into the hole)."""
@@ -271,4 +302,3 @@ def make_scheduler(generator, config: ServeConfig) -> Scheduler:
             return ContinuousScheduler(generator, config)
         log.warning("continuous batching needs a dynamic export on the CPU; using the next-batch scheduler")
     return Scheduler(generator, config)
-

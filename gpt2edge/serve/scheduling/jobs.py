@@ -38,6 +38,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    constraint: Any = None  # structured output: a runtime Constraint (frozen, compared by kind and text)
 
     @property
     def greedy(self) -> bool:
@@ -120,6 +121,7 @@ class Job:
     prompt_ids: Sequence[Sequence[int]] | None = None  # each prompt's token ids, when already encoded
     metrics: Any = None  # serve.hosting.metrics.Metrics: told of every token (time to first token, inter-token latency)
     request_id: str = ""  # the HTTP request's id, for log lines about this job
+    constraint: Any = None  # the sampling's constraint compiled for this model (runtime CompiledConstraint)
     id: int = field(default_factory=lambda: next(_ids))
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = field(default=None, init=False)

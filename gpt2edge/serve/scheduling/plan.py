@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from gpt2edge.serve.api.protocol import ApiError, CompletionRequest
 from gpt2edge.serve.hosting.config import MAX_LOGPROBS, MAX_STOP, ServeConfig
+from gpt2edge.serve.scheduling.constraint_fields import constraint_from
 from gpt2edge.serve.scheduling.jobs import Sampling
 from gpt2edge.serve.scheduling.sampling_fields import sampling_from
 
@@ -26,6 +28,7 @@ class Plan:
     include_usage: bool
     echo: bool
     logprobs: int | None  # report each generated token's log-prob and its top N (0: the token's only)
+    constraint: Any = None  # structured output: the request's constraint compiled for this model (or None)
 
 
 def _refuse_unsupported(req: CompletionRequest, n: int) -> None:
@@ -103,6 +106,7 @@ class ModelLimits:
     row_extras: bool = True
     rows_why: str = ""  # why max_rows is below --max-batch: " (its static graph's batch)", memory
     max_token_bytes: int | None = None  # the most bytes of text one token covers (None: not known)
+    compile: Callable[[Any], Any] | None = None  # a runtime Constraint -> compiled for this model (engine cache)
 
 
 def prompt_byte_cap(limits: ModelLimits) -> int | None:
@@ -173,6 +177,9 @@ def plan_request(
         raise ApiError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens",
                        "invalid_value")  # fmt: skip
     sampling = sampling_from(req, limits.vocab_size, limits.row_extras)
+    constraint, compiled = constraint_from(req, limits.compile)
+    if constraint is not None:
+        sampling = replace(sampling, constraint=constraint)
     _refuse_by_bytes(prompts, max_tokens, limits)
     ids = [list(limits.encode(p)) for p in prompts]
     lens = [len(i) for i in ids]
@@ -187,4 +194,5 @@ def plan_request(
                 "context_length_exceeded",
             )
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Plan(prompts, lens, ids, n, max_tokens, sampling, stop, req.stream, include_usage, req.echo, req.logprobs)
+    return Plan(prompts, lens, ids, n, max_tokens, sampling, stop, req.stream, include_usage, req.echo, req.logprobs,
+                compiled)  # fmt: skip

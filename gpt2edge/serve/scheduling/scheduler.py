@@ -76,7 +76,14 @@ class Scheduler:
     def limits(self) -> ModelLimits:
         vocab = int(self.generator.graph.vocab_size)
         return ModelLimits(self.n_positions, self.max_rows, vocab, self.encode, self.row_extras, self._rows_why,
-                           getattr(self.tokenizer, "max_token_bytes", lambda: None)())  # fmt: skip
+                           getattr(self.tokenizer, "max_token_bytes", lambda: None)(), self.compile)  # fmt: skip
+
+    def compile(self, constraint):
+        """A request's constraint compiled for this model (the engine's bounded cache: a repeated one compiles
+        once); the engine's refusal raises ConstraintError."""
+        from gpt2edge.runtime.constraints.engine import compile_for
+
+        return compile_for(self.generator, constraint)
 
     def encode(self, prompt: str) -> list[int]:
         """A prompt's token ids; GPT-2 starts an empty one from <|endoftext|>, as the runtime does."""
