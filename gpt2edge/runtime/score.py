@@ -111,7 +111,7 @@ class Scorer:
         if not isinstance(folder, ModelFolder):
             raise ArgumentTypeError(f"Scorer takes a ModelFolder (Scorer(ModelFolder.open(path))), got {folder!r:.60}.")
         self.folder = folder
-        self.tokenizer = TextTokenizer(folder.tokenizer_path)
+        self.tokenizer = TextTokenizer(folder.tokenizer_path, folder.dims.vocab_size)
         self.vocab_size = int(folder.dims["vocab_size"])
         self.n_positions = int(folder.n_positions)  # a static-shape export: its cache capacity
         self.device, self.threads = device, threads

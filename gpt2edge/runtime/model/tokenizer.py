@@ -24,6 +24,22 @@ def load_tokenizer(path: Path) -> Tokenizer:
         ) from e
 
 
+def check_vocabulary(tok: Tokenizer, path: Path, vocab_size: int | None = None) -> None:
+    """An empty vocabulary (only special tokens) encodes every prompt to nothing, and a bigger one than the
+    model's embedding gives ids the graph has no row for: either way tokenizer.json is not the model's."""
+    if tok.get_vocab_size(with_added_tokens=False) == 0:
+        raise ModelFolderError(
+            f"{path} has an empty vocabulary (no text tokens): it encodes every prompt to nothing; export the model "
+            "again with its own tokenizer (export --tokenizer DIR)."
+        )
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size is not None and n > vocab_size:
+        raise ModelFolderError(
+            f"{path} has {n} tokens but the model's embedding only {vocab_size} rows: it is not the model's "
+            "tokenizer; export the model again with its own tokenizer (export --tokenizer DIR)."
+        )
+
+
 def check_unicode(text: str, what: str = "The text") -> str:
     """A str can hold lone surrogates (argv's undecodable bytes, a JSON "\\ud800") that no tokenizer or UTF-8
     output takes: refuse them in one line. Returns the text."""
@@ -40,8 +56,10 @@ def check_unicode(text: str, what: str = "The text") -> str:
 class TextTokenizer:
     """Encode prompts and decode ids with the exact tokenizer the model was exported with."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, vocab_size: int | None = None):
+        """vocab_size: the model's embedding rows; a tokenizer with more tokens (ids it has no row for) is refused."""
         self._tok = load_tokenizer(path)
+        check_vocabulary(self._tok, path, vocab_size)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(check_unicode(text), add_special_tokens=False).ids
