@@ -31,8 +31,13 @@ def _isatty(stream) -> bool:
 class Progress:
     """tqdm's update / set_postfix_str / clear, as a context manager; `Progress(total, "export")`."""
 
-    def __init__(self, total: int, desc: str, unit: str = "step", file=None, period_s: float | None = None) -> None:
+    def __init__(
+        self, total: int, desc: str, unit: str = "step", file=None, period_s: float | None = None, lines: int = 0
+    ) -> None:
+        """lines: off a terminal, also a line each time another 1/lines of the total is done (at most `lines`),
+        whatever the speed: a long job of many units reports by count, not only by the clock."""
         self.file = file if file is not None else sys.stderr
+        self.lines = lines
         self.tty = _isatty(self.file)
         self.bar = tqdm(total=total, desc=desc, unit=unit, file=self.file, leave=False, disable=not self.tty)
         self.total, self.desc, self.unit = total, desc, unit
@@ -60,8 +65,19 @@ class Progress:
                 return
 
     def update(self, n: int = 1) -> None:
-        self.n += n
+        before, self.n = self.n, self.n + n
         self.bar.update(n)
+        if not self.tty and self.lines > 0 and self.total > 0:
+            step = -(-self.total // self.lines)  # units between two count lines
+            if self.n // step > before // step:
+                self._print(f"{self.desc}: {min(self.n, self.total)}/{self.total} {self.unit}s done, "
+                            f"{time.monotonic() - self.t0:.0f} s")  # fmt: skip
+
+    def _print(self, line: str) -> None:
+        try:
+            print(line, file=self.file, flush=True)
+        except (OSError, ValueError):  # the stream closed under us: the job goes on
+            pass
 
     def set_postfix_str(self, s: str) -> None:
         self.postfix = s

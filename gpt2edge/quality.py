@@ -54,7 +54,9 @@ def stream_tokens(tokenizer: TextTokenizer, text: str | None, n_positions: int, 
 def check_report_text(model_dir: Path, text: str | None, max_tokens: int = DEFAULT_MAX_TOKENS) -> list[int]:
     """Tokenize the report's text with the folder's tokenizer now, so a bad --text fails before any work."""
     folder = ModelFolder.open(model_dir, verify=False)
-    return stream_tokens(TextTokenizer(folder.tokenizer_path), text, folder.dims["n_positions"], max_tokens)
+    return stream_tokens(
+        TextTokenizer(folder.tokenizer_path, folder.dims.vocab_size), text, folder.dims["n_positions"], max_tokens
+    )
 
 
 def check_comparable(a: Path, b: Path) -> None:
@@ -215,7 +217,7 @@ def folder_side(
     logprobs, greedy, starts, folder). `sink`: stream_logprobs'."""
     folder = ModelFolder.open(path, verify=False)
     n_positions = min(folder.n_positions, n_positions or folder.n_positions)  # a static export: its capacity
-    tokenizer = TextTokenizer(folder.tokenizer_path)
+    tokenizer = TextTokenizer(folder.tokenizer_path, folder.dims.vocab_size)
     if tokens is None:  # before the session: a bad --text fails without any work
         tokens = stream_tokens(tokenizer, text, n_positions, max_tokens)
     # OrtLM, or StaticLM on a static-shape export; lean: an fp16 variant's session holds its fp16 weights, not

@@ -92,7 +92,8 @@ def test_pickle_weights_load_weights_only(tmp_path, tiny_checkpoint):
     """A pytorch_model.bin that would run code when unpickled is refused by the weights-only loader."""
     ckpt = tmp_path / "evil"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text((tiny_checkpoint / "config.json").read_text())
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # a good tokenizer: the load is reached
+        (ckpt / name).write_text((tiny_checkpoint / name).read_text())
     marker = tmp_path / "pwned"
 
     class Payload:

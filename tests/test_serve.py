@@ -760,15 +760,26 @@ def test_cli_serve_starts_serves_and_stops(tiny_export):
         text=True,
         env=env,
     )
+    log: list[str] = []
     try:
         line = proc.stdout.readline()
-        url = re.search(r"on (http://127\.0\.0\.1:\d+)", line).group(1)
-        assert httpx.get(url + "/health", timeout=10).json()["model"] == "tiny"
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+        assert found, line + proc.stderr.read()
+        url = found.group(1)
+        # the server answers (503 "loading") while the model loads on a thread: wait for the line that says it
+        # is loaded, not for a time (a loaded machine once took longer than the first request)
+        for err in proc.stderr:
+            log.append(err)
+            if "model tiny loaded" in err or "loading the model failed" in err:
+                break
+        assert log and "model tiny loaded" in log[-1], "".join(log)
+        health = httpx.get(url + "/health", timeout=30)
+        assert health.status_code == 200 and health.json()["model"] == "tiny", health.text
         assert post(url, {"prompt": "a", "max_tokens": 3}).status_code == 200
     finally:
         proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=30)
-    assert rc == 0, proc.stderr.read()
+        rc = proc.wait(timeout=60)
+    assert rc == 0, "".join(log) + proc.stderr.read()
 
 
 @pytest.mark.parametrize(

@@ -87,7 +87,7 @@ class Workload:
         self.cfg = cfg.fitted(self.lm.n_positions) if fixed_lengths else cfg
         if fixed_lengths:  # a batch a static graph cannot take is refused now, not after the machine probes
             self.lm.start(self.cfg.batch, self.cfg.prompt_len + self.cfg.new_tokens - 1)
-        self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
+        self.tokenizer = TextTokenizer(self.folder.tokenizer_path, self.folder.dims.vocab_size)
 
     def run(self, prompt_len: int, new_tokens: int):
         params = SamplingParams(max_new_tokens=new_tokens, seed=self.cfg.seed, **SAMPLING)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -268,6 +269,29 @@ def _bench_speculative(model_dir, cfg, spec, as_json: bool) -> None:
         click.echo(f"{name:<32} {value}")
 
 
+class _WindowProgress:
+    """Scorer's progress callback as gpt2edge.progress.Progress, made at the first window (the total known)."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            if total < 2:
+                return  # one window: nothing to follow
+            from gpt2edge.progress import Progress
+
+            self.bar = Progress(total, "score", unit="window", file=sys.stderr, lines=10)
+        self.bar.update(done - self.bar.n)
+
+    def __enter__(self) -> _WindowProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 _SCORE_HINT = "score a part of it (e.g. head -c 10M FILE | gpt2edge score MODEL_DIR)."
 
 
@@ -305,7 +329,9 @@ def score(model_dir, text_file, max_length, stride, method, device, threads, no_
     except UnicodeDecodeError as e:
         raise GenerationError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start}).") from e
     scorer = Scorer(ModelFolder.open(model_dir, verify=not no_verify), device=device, threads=threads)
-    result = scorer.score(text, max_length=max_length, stride=stride, method=method)
+    # windows done, on stderr (stdout stays the result): a bar on a terminal, else a line per tenth
+    with _WindowProgress() as progress:
+        result = scorer.score(text, max_length=max_length, stride=stride, method=method, progress=progress)
     if as_json:
         print_json(result.to_json())
         return

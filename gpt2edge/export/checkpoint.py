@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,6 +16,8 @@ from typing import Any
 from gpt2edge.errors import CheckpointError
 from gpt2edge.export.hub import cache_only
 from gpt2edge.export.loading_check import check_loading_info
+from gpt2edge.export.tokenizer_source import HUB_ID as _HUB_ID
+from gpt2edge.export.tokenizer_source import check_matches_model, check_vocabulary
 from gpt2edge.manifest.records import FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 WEIGHT_FILES = (
@@ -25,8 +26,6 @@ WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
-# "gpt2", "openai-community/gpt2", "microsoft/DialoGPT-small": at most one slash, no path-like prefix
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
@@ -155,6 +154,9 @@ def load_checkpoint(
             ) from e
         raise CheckpointError(f"Cannot read the config of {source}: {e}") from e
     _check_model_type(config.model_type, source)
+    # the tokenizer before the weights: an empty one, or one not of this model, is refused before the load
+    tokenizer = load_tokenizer(*_tokenizer_location(src, revision, tokenizer_source))
+    check_matches_model(tokenizer, config, source)
     try:
         with _quiet_transformers():
             model, info = GPT2LMHeadModel.from_pretrained(
@@ -171,12 +173,6 @@ def load_checkpoint(
     check_loading_info(info, source, config.n_layer, list(model.state_dict()))
     model.eval()
 
-    tokenizer = load_tokenizer(*_tokenizer_location(src, revision, tokenizer_source))
-    if len(tokenizer) > config.vocab_size:
-        raise CheckpointError(
-            f"The tokenizer has {len(tokenizer)} tokens but the model only {config.vocab_size}; "
-            "pass the checkpoint's own tokenizer with --tokenizer."
-        )
     try:
         generation_config = GenerationConfig.from_pretrained(src.location, **hub)
     except OSError:
@@ -220,4 +216,5 @@ def load_tokenizer(location: str, revision: str | None = None, local_files_only:
             ) from e
     if not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
         raise CheckpointError(f"The tokenizer in {location} has no fast (tokenizer.json) form.")
+    check_vocabulary(tok, location)  # what transformers builds from a folder or hub id it found nothing in
     return tok

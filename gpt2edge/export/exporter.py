@@ -26,6 +26,7 @@ from gpt2edge.export.options import (
     check_static_options,
     parse_static_spec,
 )
+from gpt2edge.export.tokenizer_source import OWN_FIX, check_tokenizer_folder
 from gpt2edge.extras import require_extra
 from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder.checks import check_output_dir
@@ -106,6 +107,10 @@ def export_model(
     sources = [source, tokenizer]  # local ones must not overlap OUT (a hub id matches no path)
     check_output_dir(out, force, sources)
     resolved = resolve_source(source, revision)  # a missing folder, an export folder, an offline hub id: refused now
+    if tokenizer is not None:  # a missing path, or a folder with no tokenizer files: refused now
+        check_tokenizer_folder(tokenizer, hub_ok=True)
+    elif resolved.kind == "local":  # the checkpoint's own tokenizer files
+        check_tokenizer_folder(resolved.location, what="The checkpoint", fix=OWN_FIX)
     if resolved.kind == "local":  # memory and disk it will take, from config.json: refused now if they do not fit
         weight_bytes = checkpoint_weight_bytes(Path(resolved.location))
         if weight_bytes is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gpt2edge.api_args import path_arg
 from gpt2edge.errors import CheckpointError
+from gpt2edge.export.tokenizer_source import check_tokenizer_folder
 from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder.checks import is_checkpoint_folder
 from gpt2edge.resources import check_need, checkpoint_need, n_parameters
@@ -45,6 +46,8 @@ def make_random_checkpoint(
 ) -> Path:
     """Write a random-weight GPT2LMHeadModel + tokenizer to `out` (atomically); returns `out`."""
     out = path_arg(out, "out")  # a TypeError names a wrong type, before torch is imported
+    if tokenizer_dir is not None:  # a local folder only: a missing one or one with no tokenizer files, refused now
+        check_tokenizer_folder(tokenizer_dir)
     import torch
     from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
@@ -54,7 +57,9 @@ def make_random_checkpoint(
         raise CheckpointError(f"Unknown size '{size}'; choose one of {', '.join(SIZES)}.")
     # without a tokenizer folder, a small one is trained here; "small" keeps GPT-2's 50,257-row embedding
     # either way (ids past the trained vocabulary decode to nothing), so sizes and speed stay GPT-2's
-    tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else train_tokenizer()
+    tokenizer = (
+        load_tokenizer(str(tokenizer_dir), local_files_only=True) if tokenizer_dir is not None else train_tokenizer()
+    )
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     if not isinstance(eos_id, int) or tokenizer.convert_ids_to_tokens(eos_id) != EOS:
         raise CheckpointError(f"The tokenizer has no {EOS} token; use a GPT-2 byte-level BPE tokenizer.")

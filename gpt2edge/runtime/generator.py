@@ -78,7 +78,7 @@ class Generator:
         check_max_contexts(max_contexts, context_wait_s)  # before the model loads
         model_dir = path_arg(model_dir, "model_dir")
         self.folder = ModelFolder.open(model_dir, verify=verify)
-        self.tokenizer = TextTokenizer(self.folder.tokenizer_path)
+        self.tokenizer = TextTokenizer(self.folder.tokenizer_path, self.folder.dims.vocab_size)
         # a draft model alternates with this graph token by token: idle threads must not spin (session.py)
         self.graph = load_graph(self.folder, device=device, threads=threads, spin=spin and draft is None)
         self._pool = LMPool(self.graph, io_binding=io_binding, max_contexts=max_contexts, wait_s=context_wait_s)

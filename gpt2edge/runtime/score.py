@@ -18,7 +18,7 @@ Two ways to get the log-probs of a window, chosen by the folder's graph:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -111,7 +111,7 @@ class Scorer:
         if not isinstance(folder, ModelFolder):
             raise ArgumentTypeError(f"Scorer takes a ModelFolder (Scorer(ModelFolder.open(path))), got {folder!r:.60}.")
         self.folder = folder
-        self.tokenizer = TextTokenizer(folder.tokenizer_path)
+        self.tokenizer = TextTokenizer(folder.tokenizer_path, folder.dims.vocab_size)
         self.vocab_size = int(folder.dims["vocab_size"])
         self.n_positions = int(folder.n_positions)  # a static-shape export: its cache capacity
         self.device, self.threads = device, threads
@@ -124,7 +124,8 @@ class Scorer:
 
     def encode(self, text: str) -> list[int]:
         """Tokens of the text; refuses an empty text and ids the model's vocabulary does not have."""
-        ids = self.tokenizer.encode(text_arg(text, "text"))
+        # piece by piece: the ids, 4 bytes a token, not the tokenizer's ~300 while it encodes the whole text
+        ids = self.tokenizer.encode_long(text_arg(text, "text"))
         if len(ids) < 2:
             raise GenerationError(
                 f"The text has {len(ids)} token(s); scoring needs at least 2 (the first token has no context)."
@@ -136,7 +137,7 @@ class Scorer:
                 "tokenizer.json does not belong to its graph; re-export the model."
             )
         self._check_kept(ids[1:])  # token 0 is never scored
-        return ids
+        return ids.tolist()
 
     def _check_kept(self, ids: Sequence[int]) -> None:
         """A vocabulary-trimmed head gives its dropped ids probability 0: a text using one has an infinite
@@ -154,16 +155,27 @@ class Scorer:
             )
 
     def score(
-        self, text: str, max_length: int | None = None, stride: int | None = None, method: str = "auto"
+        self,
+        text: str,
+        max_length: int | None = None,
+        stride: int | None = None,
+        method: str = "auto",
+        progress: Callable[[int, int], None] | None = None,
     ) -> ScoreResult:
+        """progress(done, total): called after each window (a long text has thousands)."""
         text = text_arg(text, "text")  # a TypeError names a wrong type
         max_length, stride = int_arg(max_length, "max_length"), int_arg(stride, "stride")
         # real text runs 2-4 bytes a token: checked before the tokenizer holds them all
         check_score_memory(self.folder, len(text.encode("utf-8", "surrogatepass")) // 2, max_length)
-        return self.score_ids(self.encode(text), max_length, stride, method)
+        return self.score_ids(self.encode(text), max_length, stride, method, progress)
 
     def score_ids(
-        self, ids: Sequence[int], max_length: int | None = None, stride: int | None = None, method: str = "auto"
+        self,
+        ids: Sequence[int],
+        max_length: int | None = None,
+        stride: int | None = None,
+        method: str = "auto",
+        progress: Callable[[int, int], None] | None = None,
     ) -> ScoreResult:
         if method not in METHODS:
             raise GenerationError(f"Unknown scoring method '{method}'; choose one of {', '.join(METHODS)}.")
@@ -182,8 +194,10 @@ class Scorer:
         window_fn = self._window_head_all if method == "head-all" else self._window_token_by_token
         logprobs: list[float | None] = [None] * len(ids)
         t0 = time.perf_counter()
-        for w in plan:
+        for k, w in enumerate(plan, 1):
             logprobs[w.first_target : w.end] = window_fn(ids, w)
+            if progress is not None:
+                progress(k, len(plan))
         elapsed_ms = (time.perf_counter() - t0) * 1e3
         scored = np.array([x for x in logprobs if x is not None], dtype=np.float64)
         ll = float(scored.sum())

@@ -53,7 +53,9 @@ def report_tokens_of(src: Path, text: str | None, n: int) -> list[int]:
     from gpt2edge.sample_text import SAMPLE_TEXT
 
     folder = ModelFolder.open(src, verify=False)
-    ids = TextTokenizer(folder.tokenizer_path).encode(text if text is not None else SAMPLE_TEXT)[:n]
+    ids = TextTokenizer(folder.tokenizer_path, folder.dims.vocab_size).encode(
+        text if text is not None else SAMPLE_TEXT
+    )[:n]
     if len(ids) < 2:
         raise GenerationError(f"The --text has {len(ids)} token(s); the quality report needs at least 2.")
     return ids

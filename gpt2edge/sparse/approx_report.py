@@ -53,7 +53,7 @@ def cluster_report(folder: Path, parent: Path, head: onnx.ModelProto, tokens: li
 
     # greedy decoding from several points of the text: the parent's folder against the approximate one
     pfolder = ModelFolder.open(parent, verify=False)
-    tokenizer = TextTokenizer(pfolder.tokenizer_path)
+    tokenizer = TextTokenizer(pfolder.tokenizer_path, pfolder.dims.vocab_size)
     first = tokens[:n_pos]
     starts, n_new = greedy_plan(len(first), n_pos)
     ref_lm, apx_lm = load_graph(pfolder).new_lm(), apx.new_lm()

@@ -17,6 +17,21 @@ async function sha256Hex(bytes) {
   return out;
 }
 
+// A file name the manifest may give: plain segments of letters, digits, "_", "-" and "." (never first), one "/"
+// between them. Nothing the URL parser or a server would read as something else: no "%" (so no "%2e%2e",
+// which the parser turns into "..", no "%2f", no "%252e" a server decodes twice), no "\\", ":", "?", "#",
+// no leading "/" or "//host", no "." or ".." segment.
+const SAFE_NAME = /^[A-Za-z0-9_-][A-Za-z0-9._-]*(\/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$/;
+
+/** The URL of `name` inside the folder at `base`, or null when `name` is not a plain path inside it. */
+export function folderUrl(base, name) {
+  if (typeof name !== "string" || name.length > 512 || !SAFE_NAME.test(name)) return null;
+  const root = new URL(base);
+  const url = new URL(name, root);
+  // and what the parser made of it must still lie under the folder, on the same origin
+  return url.origin === root.origin && url.pathname.startsWith(root.pathname) && !url.search && !url.hash ? url : null;
+}
+
 export class WebFolder {
   /** base: the folder's URL (ends with "/"); manifest: its parsed manifest.json. */
   constructor(base, manifest) {
@@ -60,15 +75,17 @@ export class WebFolder {
 
   /** The bytes of `name` (a path relative to the folder), after checking its size and sha256. */
   async bytes(name, what = name) {
-    // a path inside the folder only: no absolute path, no "..", no URL (the manifest came from the server)
-    if (typeof name !== "string" || !name || name.startsWith("/") || name.includes(":") || name.includes("\\") || name.split("/").includes("..")) {
-      throw new FolderError(`manifest.json names ${what} as ${JSON.stringify(name)}, which is not a path inside the folder; convert the export again.`);
+    // a path inside the folder only, in any spelling (the manifest came from the server): see SAFE_NAME
+    const url = folderUrl(this.base, name);
+    if (url === null) {
+      const shown = typeof name === "string" ? JSON.stringify(name.slice(0, 80)) : typeof name;
+      throw new FolderError(`manifest.json names ${what} as ${shown}, which is not a path inside the folder; convert the export again.`);
     }
     const entry = this.manifest.files[name];
     if (!entry) throw new FolderError(`manifest.json does not list ${what} (${name}); convert the export again.`);
     let res;
     try {
-      res = await fetch(new URL(name, this.base));
+      res = await fetch(url);
     } catch (e) {
       throw new FolderError(`Cannot fetch ${what} (${name}): ${e.message}.`);
     }

@@ -3,7 +3,10 @@ the stop-string matcher that generate() and stream() share."""
 
 from __future__ import annotations
 
+import re
+from array import array
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -11,6 +14,12 @@ from tokenizers.decoders import DecodeStream
 from tokenizers.pre_tokenizers import ByteLevel
 
 from gpt2edge.errors import GenerationError, ModelFolderError
+
+# Where GPT-2's pre-tokenizer regex always ends a piece, whatever follows: before one whitespace character
+# between two non-space ones (" word", "\n" then "word"), and between an ASCII letter and an ASCII digit.
+# Python's \s covers every character Rust's does, so a Python non-space is a non-space there too.
+_CUT = re.compile(r"(?<=[^\s])(?=[ \n\t][^\s])|(?<=[A-Za-z])(?=[0-9])|(?<=[0-9])(?=[A-Za-z])")
+PIECE_CHARS = 1 << 16  # characters a piece holds at least (it ends at the next cut)
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
@@ -23,6 +32,22 @@ def load_tokenizer(path: Path) -> Tokenizer:
             f"{path} is not a readable tokenizer.json ({reason}); export the model again (or copy its tokenizer.json "
             "back)."
         ) from e
+
+
+def check_vocabulary(tok: Tokenizer, path: Path, vocab_size: int | None = None) -> None:
+    """An empty vocabulary (only special tokens) encodes every prompt to nothing, and a bigger one than the
+    model's embedding gives ids the graph has no row for: either way tokenizer.json is not the model's."""
+    if tok.get_vocab_size(with_added_tokens=False) == 0:
+        raise ModelFolderError(
+            f"{path} has an empty vocabulary (no text tokens): it encodes every prompt to nothing; export the model "
+            "again with its own tokenizer (export --tokenizer DIR)."
+        )
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if vocab_size is not None and n > vocab_size:
+        raise ModelFolderError(
+            f"{path} has {n} tokens but the model's embedding only {vocab_size} rows: it is not the model's "
+            "tokenizer; export the model again with its own tokenizer (export --tokenizer DIR)."
+        )
 
 
 def check_unicode(text: str, what: str = "The text") -> str:
@@ -41,8 +66,10 @@ def check_unicode(text: str, what: str = "The text") -> str:
 class TextTokenizer:
     """Encode prompts and decode ids with the exact tokenizer the model was exported with."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, vocab_size: int | None = None):
+        """vocab_size: the model's embedding rows; a tokenizer with more tokens (ids it has no row for) is refused."""
         self._tok = load_tokenizer(path)
+        check_vocabulary(self._tok, path, vocab_size)
         self._max_token_bytes: int | None = 0  # 0: not computed yet
 
     def encode(self, text: str) -> list[int]:
@@ -60,6 +87,30 @@ class TextTokenizer:
             vocab = self._tok.get_vocab(with_added_tokens=False)
             self._max_token_bytes = max([*map(len, vocab), *added, 1]) if byte_level else None
         return self._max_token_bytes
+
+    def encode_long(self, text: str, piece_chars: int = PIECE_CHARS) -> array:
+        """The ids of a long text (a corpus to score), tokenized a piece at a time: `tokenizers` holds ~300
+        bytes a token while it encodes (2 MB of base64 took 600 MB), the ids kept here 4. The pieces are cut
+        only where GPT-2's pre-tokenizer always cuts, so the ids equal encode(text); a tokenizer of another
+        kind is encoded whole."""
+        check_unicode(text)
+        out = array("i")
+        start = 0
+        while start < len(text):
+            cut = _CUT.search(text, start + piece_chars) if self._cuttable and piece_chars > 0 else None
+            end = cut.start() if cut is not None else len(text)
+            out.extend(self._tok.encode(text[start:end], add_special_tokens=False).ids)
+            start = end
+        return out
+
+    @cached_property
+    def _cuttable(self) -> bool:
+        """Whether a text may be cut at _CUT: GPT-2's byte-level pre-tokenizer (its regex, no prefix space, no
+        normalizer), and no added token that a cut could fall inside."""
+        pre = self._tok.pre_tokenizer
+        if type(pre).__name__ != "ByteLevel" or not pre.use_regex or pre.add_prefix_space or self._tok.normalizer:
+            return False
+        return not any(_CUT.search(t.content) for t in self._tok.get_added_tokens_decoder().values())
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
