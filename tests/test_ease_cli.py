@@ -246,9 +246,10 @@ def test_the_speculative_line_says_ms_per_target_step(tiny_export_all):
 # --- the demo ----------------------------------------------------------------------------------------------
 
 
-def test_the_demo_says_random_weights_before_any_report():
+def test_the_demo_says_what_its_model_is_before_any_report():
     lines = (REPO / "scripts" / "demo.sh").read_text().splitlines()
-    note = next(i for i, line in enumerate(lines) if line.startswith("echo") and "random weights" in line)
+    # the shipped model (models/gpt2-stdlib-mini): a small GPT-2 trained on CPython's standard library
+    note = next(i for i, line in enumerate(lines) if line.startswith("echo") and "trained on" in line)
     first_report = next(i for i, line in enumerate(lines) if line.startswith("gpt2edge ") and "export" in line)
     assert note < first_report
 

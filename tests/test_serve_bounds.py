@@ -51,7 +51,7 @@ def chat_folder(tiny_export, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(chat_folder):
-    with running(chat_folder, max_batch=8, template_timeout_s=1.0) as (url, scheduler):
+    with running(chat_folder, max_batch=8, template_timeout_s=3.0) as (url, scheduler):
         yield url, scheduler
 
 
@@ -158,7 +158,7 @@ TEMPLATE_CASES = {
     # BOUND: its output cut at the byte limit, or its memory budget, whichever comes first
     # the attack's own: 1,024 messages of "99999" looped over, 50 KB of body
     "amplify": ([{"role": "user", "content": "99999"}] * 1023, "template_limit", BOUND),
-    "nested": ([], "template_limit", "ran past its 1 s"),
+    "nested": ([], "template_limit", "ran past its 3 s"),
     "multiply": ([], "template_limit", BOUND),
     "center": ([], "template_limit", BOUND),
     "indent": ([], "template_limit", BOUND),

@@ -20,7 +20,8 @@ from gpt2edge.cli.paths import OutputPath
 from gpt2edge.manifest.records import FORMAT, MANIFEST_NAME
 
 # string options whose help names a file or folder without taking a path
-NOT_PATHS = {("serve", "model_name")}
+# --json-schema takes a schema's text or a file (read bounded, before the model: cli/generate.constraint_of)
+NOT_PATHS = {("serve", "model_name"), ("generate", "json_schema")}
 
 
 def _is_path(p: click.Parameter) -> bool:
