@@ -30,6 +30,7 @@ from gpt2edge.manifest import KEEP_INPUT
 from gpt2edge.runtime.decoding.generate import left_pad, position_ids_from_mask
 from gpt2edge.runtime.model.lm import OrtGraph
 from gpt2edge.runtime.model.ort_session import run_errors
+from gpt2edge.runtime.sparse_head.body import BodyGraph
 
 MIN_POSITIONS = 64  # the first allocation's positions per row; doubled as rows grow
 # re-pack once P exceeds the longest row by this many slots and by an eighth of P: a re-pack copies every live row
@@ -39,14 +40,31 @@ REPACK_WASTE = 8
 REPACK_SHARE = 8
 
 
-class SlotLM:
-    """`rows` cache rows on an OrtGraph (not thread-safe: one owner, e.g. the server's scheduler thread)."""
+def slot_refusal(graph) -> str | None:
+    """Why SlotLM cannot run this graph (None: it can): the exact reason, for an error or a server's log line."""
+    if getattr(graph, "device", "cpu") != "cpu":
+        return f"the cache rows live in CPU memory and this folder runs on {graph.device}"
+    if isinstance(graph, BodyGraph):
+        return getattr(graph, "slot_refusal", None)
+    if not isinstance(graph, OrtGraph):
+        return "a --static folder has fixed batch and cache shapes"
+    return None
 
-    def __init__(self, graph: OrtGraph, rows: int) -> None:
-        if not isinstance(graph, OrtGraph) or graph.device != "cpu":
-            raise GenerationError("Cache rows that join and leave need a dynamic export on the CPU (not --static).")
+
+class SlotLM:
+    """`rows` cache rows on an OrtGraph, or a sparse-head folder's body graph under its full head (BodyGraph.slot_head)
+    (not thread-safe: one owner, e.g. the server's scheduler thread)."""
+
+    def __init__(self, graph: OrtGraph | BodyGraph, rows: int) -> None:
+        why = slot_refusal(graph)
+        if why is not None:
+            raise GenerationError(f"Cache rows that join and leave cannot run this folder: {why}.")
         if rows < 1:
             raise GenerationError(f"SlotLM needs at least 1 row, got {rows}.")
+        self.output, self.switches, self.head = "logprobs", {}, None
+        if isinstance(graph, BodyGraph):  # the body runs the blocks; its log-probs come from the full head
+            self.output, self.switches, self.head = graph.slot_head()
+            graph = graph.body
         self.graph, self.rows, self.shared = graph, rows, graph.shared
         self.n_positions = int(graph.n_positions)
         self.n_tensors = len(graph.past_names)
@@ -201,9 +219,15 @@ class SlotLM:
         # the shared graph takes a buffer at least as long as the mask; the concat graph the (empty) past itself
         past = np.zeros((n, self.nh, L if self.shared else 0, self.hs), self.dtype)
         feed.update((name, past) for name in self.graph.past_names)
+        feed.update(self.switches)
         with run_errors(self.graph.folder.graph_path):
-            lp, *presents = self.graph.session.run(None, feed, self.graph.run_options)
-        return _last(lp), [p[:, :, :L] for p in presents]
+            names = [self.output, *self.graph.present_names]
+            lp, *presents = self.graph.session.run(names, feed, self.graph.run_options)
+        return self._head(_last(lp)), [p[:, :, :L] for p in presents]
+
+    def _head(self, out: np.ndarray) -> np.ndarray:
+        """The body's (n, n_embd) hidden state -> (n, V) log-probs through the folder's head (else out as it is)."""
+        return out if self.head is None else self.head(out)
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """Feed one token to each live row (in row order); returns (live, W) log-probs of the next token."""
@@ -223,7 +247,9 @@ class SlotLM:
         b = self.graph.session.io_binding()
         for name, arr in inputs.items():
             b.bind_input(name, "cpu", 0, np.int64, list(arr.shape), arr.ctypes.data)
-        b.bind_output("logprobs", "cpu")
+        for name, arr in self.switches.items():
+            b.bind_cpu_input(name, arr)
+        b.bind_output(self.output, "cpu")
         t_type, dst = self.dtype.type, self._src if self.shared else 1 - self._src
         for t, (past, present) in enumerate(zip(self.graph.past_names, self.graph.present_names)):
             if self.shared:  # one (k, nh, capacity, hs) buffer: the graph writes slot P in place
@@ -243,7 +269,7 @@ class SlotLM:
         self._src = dst
         self.past_len = P + 1
         self.lengths[:k] += 1
-        return _last(b.get_outputs()[0].numpy())
+        return self._head(_last(b.get_outputs()[0].numpy()))
 
 
 def _last(lp: np.ndarray) -> np.ndarray:

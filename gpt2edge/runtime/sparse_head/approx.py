@@ -98,6 +98,10 @@ class ApproxGraph(BodyGraph):
                 f"{d.vocab_size} log-probs); {FIX}."
             )
 
+    # why gpt2edge.runtime.model.slots does not serve it (the server then runs next-batch, where ApproxLM refuses
+    # what its head cannot do): rows that join and leave would not apply those refusals (logprobs)
+    slot_refusal = "an approximate sparse head (--mode cluster) is served one batch at a time, under its refusals"
+
     @property
     def approximate(self) -> dict[str, Any]:
         return self.rec.describe()

@@ -3,9 +3,12 @@ the head left to the subclass."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from gpt2edge.runtime.sparse_head.fused import FULL_OUTPUT, HEAD_SWITCH, STEP_INPUT
 
 
 class BodyGraph:
@@ -19,6 +22,21 @@ class BodyGraph:
         if name == "body":  # not set yet (during __init__ or unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.body, name)
+
+    def slot_head(self) -> tuple[str, dict[str, np.ndarray], Callable[[np.ndarray], np.ndarray] | None]:
+        """How cache rows that join and leave (gpt2edge.runtime.model.slots) run this folder: the body output they
+        read, the switches they feed, and the head applied to that output (None: it is the log-probs). The full
+        head's log-probs, the parent's bit for bit: the certified step works on one row's candidates at a time, so
+        a batch of rows at different positions takes the full head (the same greedy token, the same top-k)."""
+        outputs = {o.name for o in self.body.session.get_outputs()}
+        in_graph = HEAD_SWITCH in self.body.switches and FULL_OUTPUT in outputs  # the body's own copy of the head
+        # the graph's certified step off (not read here); the in-graph head on where it has one
+        feed = {n: np.array(True) for n in self.body.switches}
+        if STEP_INPUT in feed:
+            feed[STEP_INPUT] = np.array(False)
+        if in_graph:
+            feed[HEAD_SWITCH] = np.array(False)
+        return (FULL_OUTPUT, feed, None) if in_graph else ("hidden", feed, self.full_head)
 
 
 class BodyLM:

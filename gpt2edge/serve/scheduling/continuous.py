@@ -28,8 +28,7 @@ from gpt2edge.errors import Gpt2EdgeError
 from gpt2edge.runtime.constraints.rows import ConstrainedRows
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
 from gpt2edge.runtime.decoding.sampling import SamplingParams, greedy_tokens, next_tokens
-from gpt2edge.runtime.model.lm import OrtGraph
-from gpt2edge.runtime.model.slots import SlotLM
+from gpt2edge.runtime.model.slots import SlotLM, slot_refusal
 from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import advance, fail
 from gpt2edge.serve.scheduling.jobs import Job, Row
@@ -295,10 +294,12 @@ def load_scheduler(
 
 
 def make_scheduler(generator, config: ServeConfig) -> Scheduler:
-    """The scheduler config.scheduler names; continuous batching needs a dynamic export on the CPU, and falls
-    back to next-batch (with a log line) elsewhere (a --static folder, CUDA)."""
+    """The scheduler config.scheduler names; continuous batching runs a dynamic export on the CPU (a sparse-head
+    folder under its full head), and falls back to next-batch with a log line saying why elsewhere (a --static
+    folder, CUDA, an approximate sparse head)."""
     if config.scheduler == "continuous":
-        if isinstance(generator.graph, OrtGraph) and generator.graph.device == "cpu":
+        why = slot_refusal(generator.graph)
+        if why is None:
             return ContinuousScheduler(generator, config)
-        log.warning("continuous batching needs a dynamic export on the CPU; using the next-batch scheduler")
+        log.warning("continuous batching is off: %s; using the next-batch scheduler", why)
     return Scheduler(generator, config)
