@@ -36,6 +36,7 @@ TEMPLATE = """{% set last = messages[-1].content %}
 {% elif last == 'range' %}{{ range(10**9)|length }}
 {% elif last == 'include' %}{% include 'other.jinja' %}
 {% elif last == 'raise' %}{{ raise_exception('roles must alternate') }}
+{% elif last == 'surrogate' %}{{ '\\ud800' }}
 {% else %}{% for m in messages %}{{ m.role }}: {{ m.content }}
 {% endfor %}{% endif %}assistant:"""
 USER = [{"role": "user", "content": "Hello there"}]
@@ -169,6 +170,7 @@ TEMPLATE_CASES = {
     "range": ([], "template_error", "OverflowError"),
     "include": ([], "template_error", "loader"),
     "raise": ([], "template_error", "roles must alternate"),
+    "surrogate": ([], "template_error", "invalid Unicode"),  # a jinja literal's escape: a lone surrogate
 }
 
 
@@ -382,3 +384,9 @@ def test_streams_past_the_shutdown_timeout_end_with_an_error_event(tiny_export, 
         assert any(e.get("choices") for e in got[:-1])  # text went out before the shutdown
     err = capfd.readouterr().err
     assert "CancelledError" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("prompt", ["\ud800", "a\udfff b", ["ok", "\udbff"]])
+def test_a_prompt_with_a_lone_surrogate_is_a_400(server, prompt):
+    err = error_of(post(server[0], {"prompt": prompt, "max_tokens": 2}))
+    assert re.search("surrogate|Unicode|UTF-8", err["message"]), err

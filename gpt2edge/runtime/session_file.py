@@ -9,7 +9,7 @@ and of its graph file, the model's cache shape, the counts, and the payload's si
 A restore checks, before anything in the session changes: the magic and format version, the manifest's sha256
 (the same folder, not a re-export or another model), the cache shape and counts against this model (so a header
 cannot make it read more than one row of the model's cache), the file's size (truncation), then the payload's
-sha256 (tampering). Every refusal is one SessionFileError line. A save writes a temp file beside the named one,
+sha256 (damage: a flipped byte; an unkeyed checksum, so not proof against deliberate edits). Every refusal is one SessionFileError line. A save writes a temp file beside the named one,
 fsyncs it and renames it over: the named file is old or new, never half, and no other file is touched.
 
 The sampler keeps no RNG between turns (each turn seeds its own from its `seed`), so there is none to save.
@@ -78,10 +78,13 @@ def save_session(path: str | os.PathLike, lm: Any, tokens: list[int], cached: in
     """Write `tokens` and the first `cached` positions of `lm`'s one-row cache to `path`, atomically."""
     path = path_arg(path, "path")
     facts = model_facts(lm)
-    if path.is_dir():
-        raise SessionFileError(f"{path} is a directory; name the file to save the session to.")
-    if not path.parent.is_dir():
-        raise SessionFileError(f"cannot save the session to {path}: its folder {path.parent} does not exist.")
+    try:  # a name too long for the file system, or with a NUL, raises from the checks themselves
+        if path.is_dir():
+            raise SessionFileError(f"{path} is a directory; name the file to save the session to.")
+        if not path.parent.is_dir():
+            raise SessionFileError(f"cannot save the session to {path}: its folder {path.parent} does not exist.")
+    except (OSError, ValueError) as e:
+        raise SessionFileError(f"cannot save the session to {str(path)[:200]}: {e}.") from None
     dtype = np.dtype(lm.kv_dtype).newbyteorder("<")
     arrays = [np.asarray(tokens, dtype="<i8")]
     if cached:
@@ -97,7 +100,7 @@ def save_session(path: str | os.PathLike, lm: Any, tokens: list[int], cached: in
     head = json.dumps(header).encode()
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise SessionFileError(f"cannot save the session to {path}: {e.strerror or e}.") from e
     try:
         with os.fdopen(fd, "wb") as f:
@@ -121,7 +124,11 @@ def read_session(path: str | os.PathLike, lm: Any) -> SavedSession:
     the model's cache."""
     path = path_arg(path, "path")
     facts = model_facts(lm)
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError) as e:  # a name too long, or with a NUL
+        raise SessionFileError(f"cannot read a session from {str(path)[:200]}: {e}.") from None
+    if not is_file:
         raise SessionFileError(f"{path} is not a file; name a session file written by /save or Session.save.")
     try:
         with open(path, "rb") as f:

@@ -33,6 +33,7 @@ _lock = threading.Lock()
 _cache: OrderedDict[tuple, CompiledConstraint] = OrderedDict()
 _counts = {"hits": 0, "misses": 0}  # cache look-ups since the process started (the server's /metrics-style stats)
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TextTokenizer -> (digest, LLTokenizer)
+_executor = None  # the one llguidance thread pool (_shared_executor)
 
 
 def _llg():
@@ -70,6 +71,16 @@ def engine_tokenizer(tokenizer: TextTokenizer, eos: Sequence[int]) -> tuple[str,
     with _lock:
         _tokenizers[tokenizer] = built
     return built
+
+
+def _shared_executor(llg):
+    """One llguidance thread pool for every compiled constraint: a pool each (rayon starts its threads at once)
+    would let a client with many distinct schemas start thousands of threads."""
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = llg.LLExecutor()
+        return _executor
 
 
 def _grammar(llg, c: Constraint) -> str:
@@ -199,11 +210,16 @@ def compile_constraint(
             return hit
         _counts["misses"] += 1
     t0 = time.perf_counter()
-    template = llg.LLMatcher(lt, _grammar(llg, c), log_level=0, limits=limits())
+    try:  # the engine raises plain ValueErrors/Exceptions on some grammars: one line, never a traceback
+        template = llg.LLMatcher(lt, _grammar(llg, c), log_level=0, limits=limits())
+    except ConstraintError:
+        raise
+    except Exception as e:
+        raise _refusal(c, first_line(e)) from None
     if template.is_error():
         raise _refusal(c, template.get_error())
     compiled = CompiledConstraint(
-        c, template, int(vocab_size), tuple(lt.eos_tokens), int(lt.vocab_size), executor=llg.LLExecutor()
+        c, template, int(vocab_size), tuple(lt.eos_tokens), int(lt.vocab_size), executor=_shared_executor(llg)
     )
     probe = compiled.matcher()
     try:  # the first step's mask: an empty language shows here

@@ -59,7 +59,7 @@ def _check_text(kind: str, text: str) -> str:
             f"The {kind} constraint is {size:,} bytes; the limit is {MAX_TEXT_BYTES:,} (gpt2edge.runtime.constraints."
             "spec.MAX_TEXT_BYTES)."
         )
-    depth = _depth(text, kind == "json_schema")
+    depth = _depth(text, kind in ("json_schema", "choice"))  # choices are JSON text: brackets in strings are not depth
     if depth > MAX_DEPTH:
         raise ConstraintError(f"The {kind} constraint nests {depth} levels deep; the limit is {MAX_DEPTH}.")
     return text

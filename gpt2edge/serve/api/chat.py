@@ -80,7 +80,13 @@ def _chat_entry(e: TokenEntry, n: int) -> dict[str, Any]:
 def _render(sandbox: TemplateSandbox, scheduler, config: ServeConfig, messages: list[dict]) -> str:
     folder = scheduler.generator.folder.path
     template = ChatTemplate.find(folder, config.chat_template)
-    return sandbox.render(template, messages, template_output_cap(scheduler.limits(), config))
+    text = sandbox.render(template, messages, template_output_cap(scheduler.limits(), config))
+    try:  # a jinja literal's escape can make a lone surrogate, which no tokenizer (and no UTF-8) takes
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "The chat template rendered invalid Unicode (a lone surrogate).", "messages",
+                       "template_error") from None  # fmt: skip
+    return text
 
 
 @router.post("/v1/chat/completions")

@@ -126,7 +126,7 @@ def _refuse_by_bytes(prompts: list[str], max_tokens: int, limits: ModelLimits) -
     if limits.max_token_bytes is None:
         return
     for i, prompt in enumerate(prompts):
-        size = len(prompt.encode("utf-8"))
+        size = len(prompt.encode("utf-8", "surrogatepass"))  # a lone surrogate is refused when it is tokenized
         at_least = -(-size // limits.max_token_bytes)
         if at_least + max_tokens > limits.n_positions:
             which = "The prompt" if len(prompts) == 1 else f"Prompt {i}"
