@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -20,10 +21,13 @@ from gpt2edge.runtime.model.folder import ModelFolder
 
 @pytest.fixture
 def folder(tiny_export, tmp_path, monkeypatch):
-    """A private copy of the tiny export, and a cache directory of this test's own."""
+    """A private copy of the tiny export, and a cache directory of this test's own. Files settle after 50 ms
+    here (2 s by default), and the copy is older than that: a later rewrite lands on another clock tick."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(verified, "SETTLE_NS", 50_000_000)
     out = tmp_path / "model"
     shutil.copytree(tiny_export, out)
+    time.sleep(0.1)
     return out
 
 
@@ -146,9 +150,20 @@ def test_a_record_is_per_folder_and_manifest(folder, tmp_path, hashed):
     ModelFolder.open(folder)
     other = tmp_path / "other"
     shutil.copytree(folder, other)
+    time.sleep(0.1)  # settled
     hashed.clear()
     ModelFolder.open(other)  # another path (and inodes): its own full check
     assert "model.onnx" in hashed and len(records()) == 2
+
+
+def test_a_just_written_folder_gets_no_record_yet(folder, hashed, monkeypatch):
+    """A file changed within the settle time could change again on the same clock tick unseen: hash it again."""
+    monkeypatch.setattr(verified, "SETTLE_NS", 10**12)  # everything is "recent"
+    ModelFolder.open(folder)
+    assert records() == []
+    hashed.clear()
+    ModelFolder.open(folder)
+    assert "model.onnx" in hashed
 
 
 def test_bad_verify_values(folder):

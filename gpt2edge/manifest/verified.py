@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ from gpt2edge.onnx_io.external_data import check_external_data
 
 VERIFY_MODES = ("fast", "full")  # plus False: presence only (ModelFolder.open)
 _MAX_RECORD_BYTES = 1 << 20  # a record is a few kB; a larger file there is not one of ours
+# file times come from a coarse clock (a few ms a tick; FAT: 2 s): a file written this recently could be
+# rewritten within the same tick with the same size and times, so it gets no record yet ("racy git")
+SETTLE_NS = 2_000_000_000
 
 
 def cache_root() -> Path:
@@ -52,9 +56,12 @@ def verify_folder(folder: Path, manifest: Manifest, mode: str = "fast") -> str:
         check_external_data(folder, manifest)  # as the full check does: the graph loads no file but those
         return "record"
     verify_files(folder, manifest)
-    # record only what was hashed: a file changed while it was read (stat differs after) gets no record
+    # record only what was hashed: a file changed while it was read (stat differs after) or that changed
+    # too recently for its times to tell another change apart gets no record
     try:
-        if _stats(folder, manifest) == before:
+        settled = time.time_ns() - SETTLE_NS
+        recent = any(max(f["mtime_ns"], f["ctime_ns"]) > settled for f in before.values())
+        if not recent and _stats(folder, manifest) == before:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(path, json.dumps(expected, indent=1, sort_keys=True) + "\n")
     except OSError:  # read-only or missing cache directory: no record, the next open hashes again
