@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     # records of this run go to a directory of its own, not the user's cache
-    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gpt2edge-open-bench-")
+    os.environ["GPT2EDGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpt2edge-open-bench-")
     ModelFolder.open(args.folder, verify="full")  # page cache warm, and the record written
     times: dict[str, list[float]] = {"full": [], "fast": [], "False": []}
     for _ in range(args.rounds):

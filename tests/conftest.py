@@ -21,7 +21,7 @@ if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
 
 # ModelFolder.open records a passed full check under the user's cache directory (gpt2edge.manifest.verified):
 # the suite's records go to a directory of its own, removed at exit, never into the user's ~/.cache
-os.environ["XDG_CACHE_HOME"] = _cache = tempfile.mkdtemp(prefix="gpt2edge-test-cache-")
+os.environ["GPT2EDGE_CACHE_DIR"] = _cache = tempfile.mkdtemp(prefix="gpt2edge-test-cache-")
 atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 

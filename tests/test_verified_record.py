@@ -23,6 +23,7 @@ from gpt2edge.runtime.model.folder import ModelFolder
 def folder(tiny_export, tmp_path, monkeypatch):
     """A private copy of the tiny export, and a cache directory of this test's own. Files settle after 50 ms
     here (2 s by default), and the copy is older than that: a later rewrite lands on another clock tick."""
+    monkeypatch.delenv("GPT2EDGE_CACHE_DIR", raising=False)  # the suite's own; here the XDG rule is under test
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(verified, "SETTLE_NS", 50_000_000)
     out = tmp_path / "model"
@@ -164,6 +165,13 @@ def test_a_just_written_folder_gets_no_record_yet(folder, hashed, monkeypatch):
     hashed.clear()
     ModelFolder.open(folder)
     assert "model.onnx" in hashed
+
+
+def test_gpt2edge_cache_dir_wins(folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT2EDGE_CACHE_DIR", str(tmp_path / "mine"))
+    ModelFolder.open(folder)
+    assert len(list((tmp_path / "mine" / "verified").glob("*.json"))) == 1
+    assert not (tmp_path / "cache").exists()
 
 
 def test_bad_verify_values(folder):

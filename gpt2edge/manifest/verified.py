@@ -1,6 +1,7 @@
 """A record of a folder that passed its full sha256 check, so a later open of the unchanged files skips re-hashing.
 
-The record lives under the user's cache directory ($XDG_CACHE_HOME or ~/.cache, then gpt2edge/verified/), never
+The record lives under the user's cache directory ($GPT2EDGE_CACHE_DIR, else $XDG_CACHE_HOME/gpt2edge or
+~/.cache/gpt2edge, then verified/), never
 in the model folder: the folder may be on read-only media and stays exactly what `export` wrote. It is keyed by
 the folder's real path and the manifest's sha256, and lists every file's size, mtime_ns, ctime_ns, inode and
 device with the sha256 it matched. The fast check trusts that a file whose stat fields are all unchanged has
@@ -32,7 +33,9 @@ SETTLE_NS = 2_000_000_000
 
 
 def cache_root() -> Path:
-    """$XDG_CACHE_HOME/gpt2edge, else ~/.cache/gpt2edge (the XDG default)."""
+    """$GPT2EDGE_CACHE_DIR, else $XDG_CACHE_HOME/gpt2edge, else ~/.cache/gpt2edge (the XDG default)."""
+    if os.environ.get("GPT2EDGE_CACHE_DIR"):
+        return Path(os.environ["GPT2EDGE_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "gpt2edge"
 
