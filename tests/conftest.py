@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,11 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+# ModelFolder.open records a passed full check under the user's cache directory (gpt2edge.manifest.verified):
+# the suite's records go to a directory of its own, removed at exit, never into the user's ~/.cache
+os.environ["GPT2EDGE_CACHE_DIR"] = _cache = tempfile.mkdtemp(prefix="gpt2edge-test-cache-")
+atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

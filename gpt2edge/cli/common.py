@@ -50,6 +50,16 @@ def _os_error(e: OSError) -> str:
     return f"{e.strerror or e}: {' -> '.join(shown)}" if shown else str(e.strerror or e)
 
 
+FULL_VERIFY_HELP = "Hash every model file, even when a record of an earlier full check matches (docs/safety.md)."
+
+
+def verify_mode(no_verify: bool, full_verify: bool) -> bool | str:
+    """ModelFolder.open's verify= for --no-verify / --verify: presence only, every byte, or the fast record check."""
+    if no_verify and full_verify:
+        raise click.UsageError("--verify and --no-verify contradict each other; pass one.")
+    return False if no_verify else ("full" if full_verify else True)
+
+
 def _skip_hint(e: Gpt2EdgeError) -> str:
     """A checksum error names --no-verify only in a command that has it (the library's message names no flag)."""
     ctx = click.get_current_context(silent=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import friendly_errors, main, warnings_to_stderr
+from gpt2edge.cli.common import friendly_errors, main, verify_mode, warnings_to_stderr
 from gpt2edge.cli.generate_options import generate_options
 from gpt2edge.cli.generate_output import (
     generate_batch,
@@ -56,6 +56,7 @@ def generate(
     device,
     threads,
     no_verify,
+    full_verify,
     no_stream,
     as_json,
     logprobs,
@@ -97,8 +98,9 @@ def generate(
             else collect_prompts(prompts, prompt_files, file_format, read_stdin, batch_files)
         )
         speculative = dict(draft=draft, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)
+        verify = verify_mode(no_verify, full_verify)
         with warnings_to_stderr():
-            gen = Generator(model_dir, device=device, threads=threads, verify=not no_verify, **speculative)
+            gen = Generator(model_dir, device=device, threads=threads, verify=verify, **speculative)
         if getattr(gen.graph, "approximate", None):  # sparse-head --mode cluster: say so before any output
             click.echo(f"note: {model_dir} has an approximate LM head ({gen.graph.rec.mode}): not the model's own "
                        "distribution", err=True)  # fmt: skip

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import DEVICE_HELP, DEVICES, SEEDS, THREADS, THREADS_HELP, finite_range
+from gpt2edge.cli.common import DEVICE_HELP, DEVICES, FULL_VERIFY_HELP, SEEDS, THREADS, THREADS_HELP, finite_range
 from gpt2edge.prompt_input import FORMATS
 from gpt2edge.runtime.decoding.beam import EARLY_STOPPING_NAMES
 
@@ -163,6 +163,7 @@ OPTIONS = [
     click.option("--device", type=DEVICES, default="cpu", show_default=True, help=DEVICE_HELP),
     click.option("-t", "--threads", type=THREADS, default=None, help=THREADS_HELP),
     click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models)."),
+    click.option("--verify", "full_verify", is_flag=True, help=FULL_VERIFY_HELP),
     click.option("--no-stream", is_flag=True, help="Print the text once it is complete."),
     click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (implies --no-stream)."),
     click.option(

@@ -10,6 +10,7 @@ import click
 from gpt2edge.cli.common import (
     DEVICE_HELP,
     DEVICES,
+    FULL_VERIFY_HELP,
     THREADS,
     THREADS_HELP,
     finite_range,
@@ -17,6 +18,7 @@ from gpt2edge.cli.common import (
     main,
     print_json,
     report_stream,
+    verify_mode,
     warnings_to_stderr,
 )
 from gpt2edge.cli.paths import OutputPath
@@ -310,9 +312,10 @@ _SCORE_HINT = "score a part of it (e.g. head -c 10M FILE | gpt2edge score MODEL_
 @click.option("--device", type=DEVICES, default="cpu", show_default=True, help=DEVICE_HELP)
 @click.option("-t", "--threads", type=THREADS, default=None, help=THREADS_HELP)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files.")
+@click.option("--verify", "full_verify", is_flag=True, help=FULL_VERIFY_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with per-token log-probs on stdout.")
 @friendly_errors
-def score(model_dir, text_file, max_length, stride, method, device, threads, no_verify, as_json) -> None:
+def score(model_dir, text_file, max_length, stride, method, device, threads, no_verify, full_verify, as_json) -> None:
     """Log-likelihood and perplexity of the text in TEXT_FILE (default: stdin) under MODEL_DIR."""
     from gpt2edge.errors import GenerationError
     from gpt2edge.input_limits import MAX_SCORE_BYTES, read_limited
@@ -328,7 +331,8 @@ def score(model_dir, text_file, max_length, stride, method, device, threads, no_
         text = read_limited(text_file, MAX_SCORE_BYTES, what, _SCORE_HINT).decode("utf-8")
     except UnicodeDecodeError as e:
         raise GenerationError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start}).") from e
-    scorer = Scorer(ModelFolder.open(model_dir, verify=not no_verify), device=device, threads=threads)
+    folder = ModelFolder.open(model_dir, verify=verify_mode(no_verify, full_verify))
+    scorer = Scorer(folder, device=device, threads=threads)
     # windows done, on stderr (stdout stays the result): a bar on a terminal, else a line per tenth
     with _WindowProgress() as progress:
         result = scorer.score(text, max_length=max_length, stride=stride, method=method, progress=progress)

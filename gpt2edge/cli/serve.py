@@ -6,7 +6,17 @@ from pathlib import Path
 
 import click
 
-from gpt2edge.cli.common import DEVICE_HELP, DEVICES, THREADS, THREADS_HELP, finite_range, friendly_errors, main
+from gpt2edge.cli.common import (
+    DEVICE_HELP,
+    DEVICES,
+    FULL_VERIFY_HELP,
+    THREADS,
+    THREADS_HELP,
+    finite_range,
+    friendly_errors,
+    main,
+    verify_mode,
+)
 from gpt2edge.serve.hosting.config import SCHEDULERS
 
 
@@ -85,6 +95,7 @@ def _host(ctx, param, value: str) -> str:
 @click.option("--device", type=DEVICES, default="cpu", show_default=True, help=DEVICE_HELP)
 @click.option("-t", "--threads", type=THREADS, default=None, help=THREADS_HELP)
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files (large models).")
+@click.option("--verify", "full_verify", is_flag=True, help=FULL_VERIFY_HELP)
 @click.option("--ray", "use_ray", is_flag=True, help="Deploy on Ray Serve (extra `cluster`) instead of uvicorn.")
 @click.option(
     "--replicas",
@@ -124,6 +135,7 @@ def serve(
     device,
     threads,
     no_verify,
+    full_verify,
     use_ray,
     replicas,
     replica_cpus,
@@ -152,7 +164,8 @@ def serve(
         from gpt2edge.runtime import ModelFolder
         from gpt2edge.serve.hosting.ray_app import build_application, run_on_ray
 
-        ModelFolder.open(model_dir, verify=not no_verify)  # a bad folder fails here, not in every replica
+        # a bad folder fails here, not in every replica; they find the record this full check leaves
+        ModelFolder.open(model_dir, verify=verify_mode(no_verify, full_verify))
         app = build_application(
             model_dir,
             config,
@@ -168,7 +181,8 @@ def serve(
     from gpt2edge.runtime import ModelFolder
     from gpt2edge.serve.hosting.server import bind_socket, loading_app, serve_forever
 
-    ModelFolder.open(model_dir, verify=not no_verify)  # a bad folder: one error line before the port is taken
+    # a bad folder: one error line before the port is taken (the load behind it checks presence only)
+    ModelFolder.open(model_dir, verify=verify_mode(no_verify, full_verify))
     sock = bind_socket(host, port)  # a port in use: one error line before the model loads
     # the model loads while the server answers (/health: "loading"); a failed load stops it with one error line
     serve_forever(lambda on_error: loading_app(model_dir, config, device, threads, on_error), sock, on_ready=ready)

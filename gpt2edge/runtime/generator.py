@@ -58,7 +58,7 @@ class Generator:
         model_dir: str | Path,
         device: str = "cpu",
         threads: int | None = None,
-        verify: bool = True,
+        verify: bool | str = True,
         io_binding: bool = True,
         draft: str | Path | None = None,
         prompt_lookup: int | None = None,

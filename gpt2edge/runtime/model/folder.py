@@ -13,9 +13,10 @@ import numpy as np
 
 from gpt2edge.api_args import path_arg
 from gpt2edge.cpu_facts import target_note
-from gpt2edge.errors import GenerationError, ModelFolderError
-from gpt2edge.manifest import check_present, load_manifest, resolve_inside, verify_files
+from gpt2edge.errors import ArgumentTypeError, GenerationError, ModelFolderError
+from gpt2edge.manifest import check_present, load_manifest, resolve_inside
 from gpt2edge.manifest.records import ATTENTION_OPS, GENERATION_CONFIG, GraphInfo, Manifest, ModelDims
+from gpt2edge.manifest.verified import verify_folder
 from gpt2edge.onnx_io.external_data import check_external_data
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 
@@ -28,16 +29,23 @@ class ModelFolder:
     info: Manifest  # the typed, validated manifest
 
     @classmethod
-    def open(cls, path: str | Path, verify: bool = True) -> ModelFolder:
+    def open(cls, path: str | Path, verify: bool | str = True) -> ModelFolder:
         """Read the manifest and check every file it will load: sha256 by default, presence with verify=False.
 
+        verify=True or "fast": skip re-hashing files unchanged (size, mtime, ctime, inode) since a full check
+        recorded them (gpt2edge.manifest.verified says what that trusts); "full": hash every file.
         Either way every path resolves inside the folder (symlinks included), so nothing outside is loaded.
         """
         path = path_arg(path, "path")  # a TypeError names a wrong type
+        if not isinstance(verify, (bool, str)):
+            raise ArgumentTypeError(f"verify must be True, False, 'fast' or 'full', got {type(verify).__name__}")
+        mode = "fast" if verify is True else verify
+        if mode not in (False, "fast", "full"):  # checked before any work
+            raise ModelFolderError(f"verify must be True, False, 'fast' or 'full', got {verify!r}")
         info = load_manifest(path)
         _check_graph_format(path, info.graph.format)
         if verify:
-            verify_files(path, info)  # checksums, and the graph's external data is among the files checked
+            verify_folder(path, info, mode)  # checksums, and the graph's external data is among the files checked
         check_present(path, info.loaded_files())
         if not verify:
             check_external_data(path, info)  # without checksums, still no file the manifest does not list

@@ -104,7 +104,7 @@ class Speculator:
         draft_tokens: int | None = None,
         device: str = "cpu",
         threads: int | None = None,
-        verify: bool = True,
+        verify: bool | str = True,
         io_binding: bool = True,
     ) -> None:
         if (draft is None) == (prompt_lookup is None):
