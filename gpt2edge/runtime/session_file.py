@@ -9,7 +9,8 @@ and of its graph file, the model's cache shape, the counts, and the payload's si
 A restore checks, before anything in the session changes: the magic and format version, the manifest's sha256
 (the same folder, not a re-export or another model), the cache shape and counts against this model (so a header
 cannot make it read more than one row of the model's cache), the file's size (truncation), then the payload's
-sha256 (damage: a flipped byte; an unkeyed checksum, so not proof against deliberate edits). Every refusal is one SessionFileError line. A save writes a temp file beside the named one,
+sha256 (damage: a flipped byte; being unkeyed, it is no proof against deliberate edits). Every refusal is one
+SessionFileError line. A save writes a temp file beside the named one,
 fsyncs it and renames it over: the named file is old or new, never half, and no other file is touched.
 
 The sampler keeps no RNG between turns (each turn seeds its own from its `seed`), so there is none to save.
