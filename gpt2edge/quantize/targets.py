@@ -187,10 +187,12 @@ def check_target(target: str | None) -> str:
         return detect().target
     if target not in TARGETS:
         raise QuantizeError(f"Unknown --target '{target}'; choose one of {', '.join(TARGETS)}.")
+    if target not in ARM_TARGETS:  # an x86 target is taken as asked (the probe's child processes are not run)
+        return target
     report = detect()
     # an ARM target this ARM CPU cannot run is a mistake about the CPU; another architecture's CPU (x86 making a
     # folder for a board) cannot be probed from here, so its targets are taken as asked
-    if target in ARM_TARGETS and report.target in ARM_TARGETS and target not in report.runs:
+    if report.target in ARM_TARGETS and target not in report.runs:
         need = ", ".join(cpu_facts.ARM_TARGETS[target])
         raise QuantizeError(
             f"--target {target} needs {need}; the probe found {report.name} with "
