@@ -224,3 +224,30 @@ def test_a_seeded_constrained_request_gets_the_runtimes_draws(server, ref):
     want = ref.generate("The", constraint=Constraint.json_schema(SCHEMA), max_new_tokens=48, **kwargs)
     assert text == want.text
     valid_json(text)
+
+
+def test_an_engine_failure_mid_decode_fails_its_job_alone(server, ref, monkeypatch):
+    """A plain exception from the engine (llguidance raises them) ends the constrained job with an error; the
+    free request decoded beside it still gets its whole text."""
+    from gpt2edge.runtime.constraints.rows import ConstrainedRows
+
+    url, scheduler = server
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("engine state lost")
+
+    monkeypatch.setattr(ConstrainedRows, "masks", broken)
+    monkeypatch.setattr(scheduler, "delay", 0.01)  # steps slow enough for both to share the batch
+    free = {"prompt": "The river rose and", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    bad = {"prompt": "The", "guided_regex": "[0-9]{4}", **GREEDY_BODY}
+
+    async def both():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(client.post("/v1/completions", json=free),
+                                        client.post("/v1/completions", json=bad))  # fmt: skip
+
+    ok, failed = asyncio.run(both())
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == alone(ref, free["prompt"], 40, ignore_eos=True)
+    assert failed.status_code >= 400 and "engine state lost" in failed.text
+    # the server lives on
+    assert post(url, {"prompt": "a", "max_tokens": 2}).status_code == 200

@@ -121,8 +121,8 @@ def render(env, cache: dict, req: dict, watchdog: Watchdog) -> dict:
     except Exception as e:  # the sandbox's range() OverflowError, {% include %} with no loader, a bad filter call
         return {"error": "template", "message": f"{type(e).__name__}: {e}"}
     finally:
+        watchdog.disarm()  # first: an interrupt landing after this point has no deadline left to come from
         pieces.clear()
-        watchdog.disarm()
 
 
 def main() -> None:
@@ -134,6 +134,7 @@ def main() -> None:
         try:
             reply = render(env, cache, json.loads(line), watchdog)
         except KeyboardInterrupt:  # the deadline struck just as the render ended
+            watchdog.disarm()  # else its hard exit would still come, to an idle worker
             reply = {"error": "too_slow", "message": "it ran past its deadline"}
         except MemoryError:
             reply = {"error": "too_large", "message": f"it needed more than {MEMORY_BUDGET >> 20} MiB"}

@@ -197,6 +197,9 @@ class ContinuousScheduler(Scheduler):
                     self._pending[cache_rows[j]] = self._sample_row(live, i, row, lp, j, best_of, allowed)
             except Gpt2EdgeError as e:  # this job's constraint cannot go on (e.g. no token left): it alone fails
                 fail([live.job], str(e))
+            except Exception as e:  # the engine's own failure (llguidance raises plain exceptions): it alone fails
+                log.exception("a row of a job failed at sampling")
+                fail([live.job], f"sampling failed: {type(e).__name__}: {e}")
 
     def _allowed(self, live: _Live, where: dict) -> np.ndarray | None:
         """(rows of the job, W) the job's grammar allows now, for its rows sampled at this step (None: free)."""
