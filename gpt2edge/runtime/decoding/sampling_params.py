@@ -102,7 +102,7 @@ class SamplingParams:
         try:
             pairs = tuple((t, b) for t, b in items)
         except (TypeError, ValueError):
-            raise GenerationError(f"logit_bias must be (id, bias) pairs or {{id: bias}}, got {self.logit_bias!r}.") from None
+            raise GenerationError(f"logit_bias must be (id, bias) pairs or {{id: bias}}: {self.logit_bias!r}") from None
         for t, b in pairs:
             if not _is_int(t) or t < 0 or not _is_real(b) or not -100 <= b <= 100:
                 raise GenerationError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {t!r}: {b!r}.")
