@@ -46,3 +46,27 @@ def test_penalty_ranges_are_checked(tiny_export):
                      ({"stop_token_ids": [10**6]}, "stop_token_ids")):  # fmt: skip
         with pytest.raises(GenerationError, match=word):
             gen.generate("A", max_new_tokens=2, **kw)
+
+
+def test_cli_gives_the_apis_tokens(tiny_export):
+    import json
+
+    from click.testing import CliRunner
+
+    from gpt2edge.cli import main
+
+    gen = Generator(tiny_export)
+    plain = gen.generate(PROMPTS[3], max_new_tokens=8, ignore_eos=True, do_sample=False, top_k=0).token_ids
+    flags = ["--presence-penalty", "1.5", "--frequency-penalty", "0.5", "--logit-bias", f"{plain[0]}=-100",
+             "--stop-token-id", str(plain[3])]  # fmt: skip
+    # greedy only: `generate -s S` and Generator.generate(seed=S) draw differently today, penalties or not
+    for mode, kw in ((["--greedy"], {"do_sample": False}),):
+        args = ["generate", str(tiny_export), "-p", PROMPTS[3], "-n", "8", "--ignore-eos", "--top-k", "0", "--json"]
+        res = CliRunner().invoke(main, args + mode + flags)
+        assert res.exit_code == 0, res.output
+        row = dict(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={plain[0]: -100}, stop_token_ids=[plain[3]])
+        out = gen.generate(PROMPTS[3], max_new_tokens=8, ignore_eos=True, top_k=0, **row, **kw)
+        got = json.loads(res.output[res.output.index("{") :])
+        assert got["text"] == out.text, got
+    bad = CliRunner().invoke(main, ["generate", str(tiny_export), "-p", "A", "--logit-bias", "1=500"])
+    assert bad.exit_code != 0 and "logit_bias" in bad.output and "Traceback" not in bad.output

@@ -16,6 +16,20 @@ from gpt2edge.prompt_input import FORMATS
 from gpt2edge.runtime.decoding.beam import EARLY_STOPPING_NAMES
 
 
+def _logit_bias(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[int, float] | None:
+    """--logit-bias ID=BIAS (repeatable) -> {id: bias}; SamplingParams checks the ranges."""
+    out = {}
+    for v in values:
+        tid, sep, bias = v.partition("=")
+        try:
+            out[int(tid)] = float(bias)
+        except ValueError:
+            raise click.BadParameter(f"{v!r} is not ID=BIAS (e.g. 50256=-100)") from None
+        if not sep:
+            raise click.BadParameter(f"{v!r} is not ID=BIAS (e.g. 50256=-100)")
+    return out or None
+
+
 def _cfg_default(value: object) -> str:
     return f"[default: the model's generation_config.json, else {value}]"
 
@@ -125,6 +139,32 @@ OPTIONS = [
         type=click.IntRange(min=0),
         default=None,
         help="Never repeat an n-gram of this size, greedy or sampling; 0 = off " + _cfg_default(0) + ".",
+    ),
+    click.option(
+        "--presence-penalty",
+        type=finite_range(-2, 2),
+        default=None,
+        help="OpenAI's: subtract this from every token already generated, in [-2, 2] [default: 0].",
+    ),
+    click.option(
+        "--frequency-penalty",
+        type=finite_range(-2, 2),
+        default=None,
+        help="OpenAI's: subtract this times each token's count so far, in [-2, 2] [default: 0].",
+    ),
+    click.option(
+        "--logit-bias",
+        multiple=True,
+        callback=_logit_bias,
+        metavar="ID=BIAS",
+        help="Add BIAS in [-100, 100] to token ID's score (repeatable; -100 bans it, 100 forces it).",
+    ),
+    click.option(
+        "--stop-token-id",
+        "stop_token_ids",
+        multiple=True,
+        type=click.IntRange(min=0),
+        help="End a sequence when this token id is generated (repeatable), as end-of-text does.",
     ),
     click.option("--ban", multiple=True, help="Never generate this text (repeatable; also with a leading space)."),
     click.option(
