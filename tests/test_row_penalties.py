@@ -69,4 +69,4 @@ def test_cli_gives_the_apis_tokens(tiny_export):
         got = json.loads(res.output[res.output.index("{") :])
         assert got["text"] == out.text, got
     bad = CliRunner().invoke(main, ["generate", str(tiny_export), "-p", "A", "--logit-bias", "1=500"])
-    assert bad.exit_code != 0 and "logit_bias" in bad.output and "Traceback" not in bad.output
+    assert bad.exit_code == 2 and "[-100, 100]" in bad.output and "Traceback" not in bad.output

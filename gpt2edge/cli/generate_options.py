@@ -16,18 +16,27 @@ from gpt2edge.prompt_input import FORMATS
 from gpt2edge.runtime.decoding.beam import EARLY_STOPPING_NAMES
 
 
-def _logit_bias(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[int, float] | None:
-    """--logit-bias ID=BIAS (repeatable) -> {id: bias}; SamplingParams checks the ranges."""
-    out = {}
-    for v in values:
-        tid, sep, bias = v.partition("=")
+class _BiasPair(click.ParamType):
+    """ID=BIAS -> (id, bias): a token id >= 0 and a finite bias in [-100, 100] (OpenAI's range)."""
+
+    name = "ID=BIAS"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201  (click's signature)
+        if isinstance(value, tuple):
+            return value
+        tid, _, bias = str(value).partition("=")
         try:
-            out[int(tid)] = float(bias)
+            pair = (int(tid), float(bias))
         except ValueError:
-            raise click.BadParameter(f"{v!r} is not ID=BIAS (e.g. 50256=-100)") from None
-        if not sep:
-            raise click.BadParameter(f"{v!r} is not ID=BIAS (e.g. 50256=-100)")
-    return out or None
+            self.fail(f"{value!r} is not ID=BIAS (e.g. 50256=-100)", param, ctx)
+        if pair[0] < 0 or not -100 <= pair[1] <= 100:  # nan fails the comparison too
+            self.fail(f"{value!r}: the id must be >= 0 and the bias in [-100, 100]", param, ctx)
+        return pair
+
+
+def _logit_bias(ctx: click.Context, param: click.Parameter, values: tuple) -> dict[int, float] | None:
+    """--logit-bias ID=BIAS (repeatable) -> {id: bias} (a later one for the same id wins)."""
+    return dict(values) or None
 
 
 def _cfg_default(value: object) -> str:
@@ -155,8 +164,8 @@ OPTIONS = [
     click.option(
         "--logit-bias",
         multiple=True,
+        type=_BiasPair(),
         callback=_logit_bias,
-        metavar="ID=BIAS",
         help="Add BIAS in [-100, 100] to token ID's score (repeatable; -100 bans it, 100 forces it).",
     ),
     click.option(
