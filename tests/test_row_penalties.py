@@ -70,3 +70,8 @@ def test_cli_gives_the_apis_tokens(tiny_export):
         assert got["text"] == out.text, got
     bad = CliRunner().invoke(main, ["generate", str(tiny_export), "-p", "A", "--logit-bias", "1=500"])
     assert bad.exit_code == 2 and "[-100, 100]" in bad.output and "Traceback" not in bad.output
+
+
+def test_beam_search_refuses_them(tiny_export):
+    with pytest.raises(GenerationError, match="Beam search does not take"):
+        Generator(tiny_export).generate("A", max_new_tokens=2, num_beams=2, do_sample=False, presence_penalty=1)
