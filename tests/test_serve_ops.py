@@ -19,12 +19,12 @@ parser = pytest.importorskip("prometheus_client.parser", reason="prometheus-clie
 from test_serve import GREEDY, PROMPTS, alone, parse_sse, post, running  # noqa: E402
 
 from gpt2edge.runtime import Generator  # noqa: E402
+from gpt2edge.runtime.decoding.row_penalties import RowPenalties  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.api.app import create_app  # noqa: E402
 from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
 from gpt2edge.serve.scheduling.continuous import ContinuousScheduler  # noqa: E402
 from gpt2edge.serve.scheduling.jobs import Sampling  # noqa: E402
-from gpt2edge.serve.scheduling.penalties import RowPenalties  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def test_logit_bias_stop_token_ids_and_penalties(tiny_export, gen):
 def test_penalties_follow_openais_formula():
     s = Sampling(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((1, 3.0),), stop_token_ids=(4,),
                  min_tokens=2)  # fmt: skip
-    p = RowPenalties(s, 6, None)
+    p = RowPenalties(6, None, **s.row_penalty_kwargs())
     for t in (2, 2, 3):
         p.push(t)
     scores = np.zeros((1, 6), np.float32)

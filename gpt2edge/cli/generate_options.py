@@ -16,6 +16,29 @@ from gpt2edge.prompt_input import FORMATS
 from gpt2edge.runtime.decoding.beam import EARLY_STOPPING_NAMES
 
 
+class _BiasPair(click.ParamType):
+    """ID=BIAS -> (id, bias): a token id >= 0 and a finite bias in [-100, 100] (OpenAI's range)."""
+
+    name = "ID=BIAS"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001, ANN201  (click's signature)
+        if isinstance(value, tuple):
+            return value
+        tid, _, bias = str(value).partition("=")
+        try:
+            pair = (int(tid), float(bias))
+        except ValueError:
+            self.fail(f"{value!r} is not ID=BIAS (e.g. 50256=-100)", param, ctx)
+        if pair[0] < 0 or not -100 <= pair[1] <= 100:  # nan fails the comparison too
+            self.fail(f"{value!r}: the id must be >= 0 and the bias in [-100, 100]", param, ctx)
+        return pair
+
+
+def _logit_bias(ctx: click.Context, param: click.Parameter, values: tuple) -> dict[int, float] | None:
+    """--logit-bias ID=BIAS (repeatable) -> {id: bias} (a later one for the same id wins)."""
+    return dict(values) or None
+
+
 def _cfg_default(value: object) -> str:
     return f"[default: the model's generation_config.json, else {value}]"
 
@@ -125,6 +148,32 @@ OPTIONS = [
         type=click.IntRange(min=0),
         default=None,
         help="Never repeat an n-gram of this size, greedy or sampling; 0 = off " + _cfg_default(0) + ".",
+    ),
+    click.option(
+        "--presence-penalty",
+        type=finite_range(-2, 2),
+        default=None,
+        help="OpenAI's: subtract this from every token already generated, in [-2, 2] [default: 0].",
+    ),
+    click.option(
+        "--frequency-penalty",
+        type=finite_range(-2, 2),
+        default=None,
+        help="OpenAI's: subtract this times each token's count so far, in [-2, 2] [default: 0].",
+    ),
+    click.option(
+        "--logit-bias",
+        multiple=True,
+        type=_BiasPair(),
+        callback=_logit_bias,
+        help="Add BIAS in [-100, 100] to token ID's score (repeatable; -100 bans it, 100 forces it).",
+    ),
+    click.option(
+        "--stop-token-id",
+        "stop_token_ids",
+        multiple=True,
+        type=click.IntRange(min=0),
+        help="End a sequence when this token id is generated (repeatable), as end-of-text does.",
     ),
     click.option("--ban", multiple=True, help="Never generate this text (repeatable; also with a leading space)."),
     click.option(

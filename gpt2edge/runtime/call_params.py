@@ -23,6 +23,10 @@ CONFIG_KEYS = (
     "repetition_penalty",
     "no_repeat_ngram_size",
     "bad_words_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stop_token_ids",
 )
 # knobs that act only when sampling: giving one turns sampling on unless do_sample is given
 SAMPLING_KNOBS = ("temperature", "top_k", "top_p", "min_p", "typical_p")

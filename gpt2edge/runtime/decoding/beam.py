@@ -106,6 +106,11 @@ def check_one_sequence(defaults: Mapping[str, Any], what: str, **overrides: Any)
 
 def check_search(search: SearchParams, params: SamplingParams) -> None:
     """Refuse the combinations that have no meaning here, before any model work."""
+    if search.num_beams > 1 and params.row_penalties:  # the beams' loop does not apply RowPenalties
+        raise GenerationError(
+            "Beam search does not take presence_penalty, frequency_penalty, logit_bias or stop_token_ids yet; "
+            "use num_beams=1."
+        )
     if search.num_beams > 1 and not params.greedy:
         raise GenerationError(
             f"Beam search (num_beams={search.num_beams}) is deterministic and beam sampling is not supported; "

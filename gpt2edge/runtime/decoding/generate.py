@@ -16,6 +16,7 @@ import numpy as np
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.constraints.rows import ConstrainedRows
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, TokenLogprob
+from gpt2edge.runtime.decoding.row_penalties import RowPenalties
 from gpt2edge.runtime.decoding.sampling import SamplingParams, next_tokens
 from gpt2edge.runtime.model.columns import forward_columns, lm_columns
 from gpt2edge.runtime.model.lm import OrtLM
@@ -126,7 +127,14 @@ def decode_n_tokens(
     S = lm.past_len
     positions = mask[:, :S].sum(1)  # next position of each row
     seen = [np.asarray(p, dtype=np.int64) for p in state.prompts]
-    eos = set(params.eos_token_id)
+    eos = set(params.eos_token_id) | set(params.stop_token_ids)  # a stop token id ends its row as eos does
+    extras = None
+    if params.row_penalties:  # OpenAI's penalties and logit_bias, on each row's generated tokens (as serve)
+        width = columns.width if columns is not None else logprobs.shape[1]
+        kw = dict(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                  logit_bias=params.logit_bias, stop_token_ids=params.stop_token_ids,
+                  min_tokens=params.min_new_tokens)  # fmt: skip
+        extras = [RowPenalties(width, columns, **kw) for _ in range(len(logprobs))]
     rows = None if state.constraint is None else ConstrainedRows(state.constraint, len(logprobs), eos, columns)
     for step in range(params.max_new_tokens):
         _check_finite(logprobs, step)
@@ -134,11 +142,16 @@ def decode_n_tokens(
         active = np.array([r is None for r in state.finish_reasons])
         t0 = time.perf_counter()
         allowed = None if rows is None else rows.masks(active)  # each row's grammar: its allowed tokens now
-        tokens = next_tokens(logprobs, params, seen, step, rng, columns, allowed)
+        scores = logprobs
+        if extras is not None:  # before transformers' processors and warpers, as serve applies them
+            scores = np.concatenate([x.apply(logprobs[b : b + 1], step) for b, x in enumerate(extras)])
+        tokens = next_tokens(scores, params, seen, step, rng, columns, allowed)
         state.sampler_ms.append((time.perf_counter() - t0) * 1e3)
         for b in np.flatnonzero(active):
             tok = int(tokens[b])
             state.generated[b].append(tok)
+            if extras is not None:
+                extras[b].push(tok)
             if params.uses_history:  # repetition penalty, n-gram and multi-token bad-word bans read the ids
                 seen[b] = np.append(seen[b], tok)
             if tok in eos:
@@ -186,7 +199,8 @@ def configure_head(lm: OrtLM, state: GenerationState) -> None:
         if state.constraint is not None and getattr(getattr(lm, "graph", None), "approximate", None):
             raise GenerationError("An approximate sparse head does not take a constraint; use an exact export.")
         # a constraint's mask needs every allowed token's score: the full head, as for recorded log-probs
-        state.head = configure(state.params, state.logprobs is not None or state.constraint is not None)
+        full = state.logprobs is not None or state.constraint is not None or state.params.row_penalties
+        state.head = configure(state.params, full)
 
 
 def iter_generate(lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, pad_id: int) -> Iterator[Step]:

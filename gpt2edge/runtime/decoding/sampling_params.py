@@ -54,6 +54,15 @@ class SamplingParams:
     eos_token_id: tuple[int, ...] = ()
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's, on the generated tokens (runtime/decoding/row_penalties.py)
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) pairs or a dict {id: bias}
+    stop_token_ids: tuple[int, ...] = ()  # end a row as end-of-text does (held back by min_new_tokens)
+
+    @property
+    def row_penalties(self) -> bool:
+        """Whether per-row penalties, logit_bias or stop_token_ids are set (RowPenalties applies them)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.stop_token_ids)
 
     def __post_init__(self) -> None:
         # raised before any model work, each naming the bad value and the valid range
@@ -86,6 +95,21 @@ class SamplingParams:
         object.__setattr__(self, "bad_words_ids", bad)  # lists from JSON become hashable tuples
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise GenerationError(f"seed must be an integer >= 0 (or unset for a random one), got {self.seed!r}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise GenerationError(f"{name} must be in [-2, 2] (0 disables it), got {getattr(self, name)!r}.")
+        items = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        try:
+            pairs = tuple((t, b) for t, b in items)
+        except (TypeError, ValueError):
+            raise GenerationError(f"logit_bias must be (id, bias) pairs or {{id: bias}}: {self.logit_bias!r}") from None
+        for t, b in pairs:
+            if not _is_int(t) or t < 0 or not _is_real(b) or not -100 <= b <= 100:
+                raise GenerationError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {t!r}: {b!r}.")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in pairs))
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise GenerationError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}.")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if any(not s for s in self.stop):
             raise GenerationError("Stop strings must not be empty.")
 
@@ -103,7 +127,9 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must exist in the model's vocabulary (known only once the model is loaded)."""
         bad_ids = [t for s in self.bad_words_ids for t in s]
-        for name, ids in (("bad_words_ids", bad_ids), ("eos_token_id", self.eos_token_id)):
+        named = (("bad_words_ids", bad_ids), ("eos_token_id", self.eos_token_id),
+                 ("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids))  # fmt: skip
+        for name, ids in named:
             too_big = sorted({int(t) for t in ids if t >= vocab_size})
             if too_big:
                 raise GenerationError(

@@ -27,12 +27,12 @@ import numpy as np
 from gpt2edge.errors import Gpt2EdgeError
 from gpt2edge.runtime.constraints.rows import ConstrainedRows
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
+from gpt2edge.runtime.decoding.row_penalties import RowPenalties
 from gpt2edge.runtime.decoding.sampling import SamplingParams, greedy_tokens, next_tokens
 from gpt2edge.runtime.model.slots import SlotLM, slot_refusal
 from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import advance, fail
 from gpt2edge.serve.scheduling.jobs import Job, Row
-from gpt2edge.serve.scheduling.penalties import RowPenalties
 from gpt2edge.serve.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("gpt2edge.serve")
@@ -151,7 +151,8 @@ class ContinuousScheduler(Scheduler):
             live = _Live(job, params, rng, recorder, seen, [True] * len(job.rows))
             if job.sampling.row_extras:
                 width = self.slots.columns.width if self.slots.columns is not None else int(gen.graph.vocab_size)
-                live.extras = [RowPenalties(job.sampling, width, self.slots.columns) for _ in job.rows]
+                kw = job.sampling.row_penalty_kwargs()
+                live.extras = [RowPenalties(width, self.slots.columns, **kw) for _ in job.rows]
             if job.constraint is not None:  # end tokens (and stop_token_ids) only where the grammar accepts
                 ends = tuple(params.eos_token_id) + tuple(job.sampling.stop_token_ids)
                 live.cons = ConstrainedRows(job.constraint, len(job.rows), ends, self.slots.columns)

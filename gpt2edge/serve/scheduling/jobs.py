@@ -22,7 +22,7 @@ class Sampling:
 
     top_k .. min_tokens are transformers' processors and warpers (the runtime's SamplingParams); presence and
     frequency penalties, logit_bias and stop_token_ids act per row in the continuous scheduler
-    (serve/scheduling/penalties.py).
+    (runtime/decoding/row_penalties.py).
     """
 
     temperature: float = 1.0
@@ -48,6 +48,12 @@ class Sampling:
     def row_extras(self) -> bool:
         """Knobs only the continuous scheduler applies (per row, outside the runtime's SamplingParams)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.stop_token_ids)
+
+    def row_penalty_kwargs(self) -> dict[str, Any]:
+        """RowPenalties keywords (the runtime's per-row penalties, logit_bias and stop_token_ids)."""
+        return dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    logit_bias=self.logit_bias, stop_token_ids=self.stop_token_ids,
+                    min_tokens=self.min_tokens)  # fmt: skip
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Generator.generate keywords: OpenAI semantics, not the folder's generation_config.json (its beams,
