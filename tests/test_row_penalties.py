@@ -59,15 +59,16 @@ def test_cli_gives_the_apis_tokens(tiny_export):
     plain = gen.generate(PROMPTS[3], max_new_tokens=8, ignore_eos=True, do_sample=False, top_k=0).token_ids
     flags = ["--presence-penalty", "1.5", "--frequency-penalty", "0.5", "--logit-bias", f"{plain[0]}=-100",
              "--stop-token-id", str(plain[3])]  # fmt: skip
-    # greedy only: `generate -s S` and Generator.generate(seed=S) draw differently today, penalties or not
-    for mode, kw in ((["--greedy"], {"do_sample": False}),):
+    # greedy, and seeded sampling (--do-sample: the tiny folder's generation_config.json says greedy)
+    seeded = (["--do-sample", "-s", "7", "--temperature", "0.9"], {"do_sample": True, "seed": 7, "temperature": 0.9})
+    for mode, kw in ((["--greedy"], {"do_sample": False}), seeded):
         args = ["generate", str(tiny_export), "-p", PROMPTS[3], "-n", "8", "--ignore-eos", "--top-k", "0", "--json"]
         res = CliRunner().invoke(main, args + mode + flags)
         assert res.exit_code == 0, res.output
         row = dict(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={plain[0]: -100}, stop_token_ids=[plain[3]])
         out = gen.generate(PROMPTS[3], max_new_tokens=8, ignore_eos=True, top_k=0, **row, **kw)
         got = json.loads(res.output[res.output.index("{") :])
-        assert got["text"] == out.text, got
+        assert got["token_ids"] == out.token_ids and got["text"] == out.text, (mode, got)
     bad = CliRunner().invoke(main, ["generate", str(tiny_export), "-p", "A", "--logit-bias", "1=500"])
     assert bad.exit_code == 2 and "[-100, 100]" in bad.output and "Traceback" not in bad.output
 
