@@ -14,7 +14,6 @@ import asyncio
 import re
 
 import h11
-from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
@@ -77,7 +76,9 @@ class LimitedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         # the same h11 connection uvicorn makes (its incomplete-event cap included), with the checks above
         checked = type("Checked", (CheckedConnection,), {"max_head_bytes": self.max_head_bytes})
-        self.conn = checked(h11.SERVER, self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
+        cap = self.config.h11_max_incomplete_event_size
+        # no cap configured: h11's own default (its constructor's), not a private constant of h11 copied here
+        self.conn = checked(h11.SERVER) if cap is None else checked(h11.SERVER, cap)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
