@@ -29,14 +29,15 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)"
 from gpt2edge.manifest import read_manifest, write_manifest  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, TokenLogprob  # noqa: E402
-from gpt2edge.runtime.model.tokenizer import TextTokenizer  # noqa: E402
+from gpt2edge.runtime.decoding.row_decoder import RowDecoder  # noqa: E402
+from gpt2edge.runtime.decoding.sampling_params import SamplingParams  # noqa: E402
+from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.api.app import create_app  # noqa: E402
 from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
 from gpt2edge.serve.scheduling.batch import advance, take_batch  # noqa: E402
 from gpt2edge.serve.scheduling.continuous import ContinuousScheduler  # noqa: E402
 from gpt2edge.serve.scheduling.jobs import Job, Piece, Sampling  # noqa: E402
-from gpt2edge.serve.scheduling.rowtext import RowText  # noqa: E402
 from gpt2edge.serve.scheduling.scheduler import Scheduler  # noqa: E402
 
 PROMPTS = [
@@ -299,8 +300,8 @@ def test_concurrent_http_requests_are_batched_and_each_gets_its_own_text(tiny_ex
     assert stats["largest_batch"] > 1  # they shared a batch
 
 
-def test_take_batch_groups_by_sampling_and_fits_positions():
-    tok = TextTokenizer.__new__(TextTokenizer)  # rows are never decoded here
+def test_take_batch_groups_by_sampling_and_fits_positions(tiny_export):
+    tok = TextTokenizer(tiny_export / "tokenizer.json")  # rows are never decoded here
 
     def job(plen, max_tokens, n=1, **s):
         return Job(["x"], [plen], n, max_tokens, Sampling(**s), (), lambda e: None, tok)
@@ -705,16 +706,21 @@ def test_row_text_never_splits_a_character_and_cuts_at_stop(tiny_export, tmp_pat
         ids = tok.encode(text)
         # the test means something only if some character spans several tokens
         assert any(tok.decode(ids[:k]).endswith("\ufffd") for k in range(1, len(ids)))
-        row = RowText(tok)
-        pieces = [row.push(i)[0] for i in ids] + [row.finish()]
+        row = TextStream(tok)
+        pieces = []
+        for i in ids:
+            row.push(i)
+            pieces.append(row.take())
+        row.finish()
+        pieces.append(row.take())
         assert "".join(pieces) == tok.decode(ids) == text
         assert not any("\ufffd" in p for p in pieces)
         for stop in ("東京", "ü", "aus K", "i; n", "🙂"):
-            row = RowText(tok, [stop, "never there"])
+            row = TextStream(tok, [stop, "never there"])
             out, hit = "", False
             for i in ids:
-                piece, hit = row.push(i)
-                out += piece
+                hit = row.push(i)
+                out += row.take()
                 if hit:
                     break
             assert hit and out == text[: text.find(stop)], stop
@@ -732,9 +738,11 @@ def test_row_logprobs_go_out_with_their_text(tiny_export, tmp_path):
         for stop in ((), ("東京",), ("ü",), ("aus K",), ("i; n",), ("🙂",)):
             pieces: list[Piece] = []
             job = Job(["P:"], [2], 1, len(ids), Sampling(temperature=0), stop, pieces.append, tok, logprobs=0)
+            row = job.rows[0]
+            row.decoder = RowDecoder(SamplingParams(max_new_tokens=len(ids)), (), row.text, width=1)
             for i, record in zip(ids, records):
-                advance(job.rows[0], i, None, record)
-                if job.rows[0].done:
+                advance(row, row.decoder.push(i), record)
+                if row.done:
                     break
             sent = "".join(p.text for p in pieces)
             assert pieces[-1].finish_reason == ("stop" if stop else "length")

@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'gpt2edge[serve]'")
@@ -18,13 +19,13 @@ from test_serve import PROMPTS, alone, joined, post, stream_one  # noqa: E402
 from gpt2edge.errors import ServeError  # noqa: E402
 from gpt2edge.memory import SHARE  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
+from gpt2edge.runtime.decoding.row_decoder import RowGroup  # noqa: E402
 from gpt2edge.runtime.model.memory_plan import generation_estimate  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.api.app import create_app  # noqa: E402
 from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
 from gpt2edge.serve.scheduling.continuous import (  # noqa: E402
     ContinuousScheduler,
-    _plain_greedy,
     load_scheduler,
     make_scheduler,
 )
@@ -156,13 +157,21 @@ def test_the_cache_rows_are_reserved_at_start(tiny_export):
     assert slots.nbytes(slots.capacity) == slots._storage.nbytes  # every row, not only the first request's
 
 
+def _plain_greedy(params, step: int) -> bool:
+    group = RowGroup([], params, np.random.default_rng(0))
+    group.step = step
+    return group._plain_greedy()
+
+
 def test_plain_greedy_rows_skip_the_processors_only_when_none_applies(tiny_export):
+    """The row decoder's fast path (one argmax, no processor) only where no processor would change a score."""
     gen = Generator(tiny_export)
     plain = gen.sampling_params(max_new_tokens=8, do_sample=False, folder_defaults=False)
     assert _plain_greedy(plain, 0)
     held = gen.sampling_params(max_new_tokens=8, do_sample=False, folder_defaults=False, min_new_tokens=3)
     assert not _plain_greedy(held, 2) and _plain_greedy(held, 3)  # end-of-text banned until min_tokens
-    for kw in (dict(repetition_penalty=1.3), dict(do_sample=True, temperature=0.7)):
+    for kw in (dict(repetition_penalty=1.3), dict(do_sample=True, temperature=0.7), dict(presence_penalty=0.5),
+               dict(logit_bias={3: 1.0}), dict(stop_token_ids=[4])):  # fmt: skip
         assert not _plain_greedy(gen.sampling_params(max_new_tokens=8, folder_defaults=False, **kw), 5)
 
 

@@ -161,7 +161,9 @@ def test_logit_bias_stop_token_ids_and_penalties(tiny_export, gen):
 def test_penalties_follow_openais_formula():
     s = Sampling(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((1, 3.0),), stop_token_ids=(4,),
                  min_tokens=2)  # fmt: skip
-    p = RowPenalties(6, None, **s.row_penalty_kwargs())
+    kw = dict(presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, logit_bias=s.logit_bias,
+              stop_token_ids=s.stop_token_ids, min_tokens=s.min_tokens)  # fmt: skip
+    p = RowPenalties(6, None, **kw)
     for t in (2, 2, 3):
         p.push(t)
     scores = np.zeros((1, 6), np.float32)

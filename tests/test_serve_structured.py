@@ -110,7 +110,7 @@ def test_a_mixed_batch_keeps_free_rows_alone_and_constrained_rows_the_runtimes(s
     sample = scheduler._sample
 
     def recording(lp, cache_rows):
-        kinds.append({scheduler._cache_rows[c][0].cons is None for c in cache_rows})
+        kinds.append({scheduler._cache_rows[c][0].group.constraint is None for c in cache_rows})
         return sample(lp, cache_rows)
 
     for _, _, c in constrained:  # compiled (and the engine's tokenizer built) before the race: they join at once

@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.constraints.rows import ConstrainedRows
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, TokenLogprob
-from gpt2edge.runtime.decoding.row_penalties import RowPenalties
-from gpt2edge.runtime.decoding.sampling import SamplingParams, next_tokens
+from gpt2edge.runtime.decoding.row_decoder import RowDecoder, RowGroup
+from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.model.columns import forward_columns, lm_columns
 from gpt2edge.runtime.model.lm import OrtLM
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
@@ -121,55 +120,33 @@ def decode_n_tokens(
     rng: np.random.Generator,
 ) -> Iterator[Step]:
     """Sample, record, feed back, until every row has finished; yields after each sampled token. `logprobs`
-    are prefill's: on a trimmed head, its K columns, and only the chosen ids become full ids."""
+    are prefill's: on a trimmed head, its K columns, and only the chosen ids become full ids. Each row is a
+    RowDecoder of one RowGroup (row_decoder.py: the processor order, the finish rule), as in the server."""
     params = state.params
     columns = lm_columns(lm)
     S = lm.past_len
     positions = mask[:, :S].sum(1)  # next position of each row
-    seen = [np.asarray(p, dtype=np.int64) for p in state.prompts]
-    eos = set(params.eos_token_id) | set(params.stop_token_ids)  # a stop token id ends its row as eos does
-    extras = None
-    if params.row_penalties:  # OpenAI's penalties and logit_bias, on each row's generated tokens (as serve)
-        width = columns.width if columns is not None else logprobs.shape[1]
-        kw = dict(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-                  logit_bias=params.logit_bias, stop_token_ids=params.stop_token_ids,
-                  min_tokens=params.min_new_tokens)  # fmt: skip
-        extras = [RowPenalties(width, columns, **kw) for _ in range(len(logprobs))]
-    rows = None if state.constraint is None else ConstrainedRows(state.constraint, len(logprobs), eos, columns)
+    width = columns.width if columns is not None else logprobs.shape[1]
+    rows = [RowDecoder(params, p, t, width, columns) for p, t in zip(state.prompts, state.texts, strict=True)]
+    group = RowGroup(rows, params, rng, columns, state.constraint)
+    state.generated = [r.generated for r in rows]  # the rows' own lists: callers read them as they grow
     for step in range(params.max_new_tokens):
         _check_finite(logprobs, step)
         raw = logprobs.copy() if state.logprobs is not None else None  # the model's, before any processor
-        active = np.array([r is None for r in state.finish_reasons])
+        active = group.active()
         t0 = time.perf_counter()
-        allowed = None if rows is None else rows.masks(active)  # each row's grammar: its allowed tokens now
-        scores = logprobs
-        if extras is not None:  # before transformers' processors and warpers, as serve applies them
-            scores = np.concatenate([x.apply(logprobs[b : b + 1], step) for b, x in enumerate(extras)])
-        tokens = next_tokens(scores, params, seen, step, rng, columns, allowed)
+        tokens = group.choose(logprobs)
         state.sampler_ms.append((time.perf_counter() - t0) * 1e3)
         for b in np.flatnonzero(active):
-            tok = int(tokens[b])
-            state.generated[b].append(tok)
-            if extras is not None:
-                extras[b].push(tok)
-            if params.uses_history:  # repetition penalty, n-gram and multi-token bad-word bans read the ids
-                seen[b] = np.append(seen[b], tok)
-            if tok in eos:
-                state.finish_reasons[b] = "eos"
-            elif state.texts[b].push(tok) | (rows is not None and rows.advance(b, tok)):
-                state.finish_reasons[b] = "stop"  # a stop string appeared, or the grammar is complete
-            elif len(state.generated[b]) >= params.max_new_tokens:
-                state.finish_reasons[b] = "length"
-            if state.finish_reasons[b] is not None:
-                state.texts[b].finish()
+            group.push(b, int(tokens[b]))
+        state.finish_reasons = [r.finish_reason for r in rows]
         recorded = state.logprobs.record(raw, tokens, active, columns) if raw is not None else None
         yield Step(step, tokens, active, list(state.finish_reasons), recorded)
-        if all(r is not None for r in state.finish_reasons):
+        if group.finished:
             return
         feed = np.where(active, tokens, pad_id)
         mask[:, S + step] = 1
-        if rows is not None:  # the next masks depend on the tokens only: computed during the forward
-            rows.prefetch(np.array([r is None for r in state.finish_reasons]))
+        group.prefetch()  # the next masks depend on the tokens only: computed during the forward
         t0 = time.perf_counter()
         logprobs = decode_one_token(lm, feed, mask[:, : S + step + 1], positions)
         state.decode_ms.append((time.perf_counter() - t0) * 1e3)

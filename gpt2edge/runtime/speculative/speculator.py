@@ -24,6 +24,7 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.runtime.decoding.generate import GenerationState, Step, length_error
+from gpt2edge.runtime.decoding.row_decoder import RowDecoder
 from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import OrtGraph, OrtLM
@@ -166,8 +167,9 @@ def speculative_steps(
     if error:
         raise GenerationError(error)
     stats = state.stats if isinstance(state, SpecState) else SpecStats()
-    state.generated, state.finish_reasons = [[]], [None]
     state.texts = [TextStream(tokenizer, params.stop)]
+    row = RowDecoder(params, prompt, state.texts[0], int(target.lm.graph.vocab_size))  # its text and finish rule
+    state.generated, state.finish_reasons = [row.generated], [None]
     rng = np.random.default_rng(params.seed)
     history = list(prompt)
     matcher = None if state.constraint is None else state.constraint.matcher()  # the emitted tokens' grammar state
@@ -193,7 +195,7 @@ def speculative_steps(
                 if matcher is not None and tok not in params.eos_token_id:
                     matcher.advance(tok)
                     complete = matcher.done
-                step = _emit(state, tok, complete)
+                step = _emit(state, row, tok, complete)
                 state.wall_ms = (time.perf_counter() - t0) * 1e3
                 yield step
                 if state.finish_reasons[0] is not None:
@@ -250,17 +252,7 @@ def _draft_masks(matcher, drafts: list[int], eos, shape: tuple) -> np.ndarray:
     return masks
 
 
-def _emit(state: GenerationState, tok: int, complete: bool = False) -> Step:
-    """Record one generated token and whether it ends the row (EOS, a stop string or a complete grammar,
-    max_new_tokens)."""
-    params, generated, text = state.params, state.generated[0], state.texts[0]
-    generated.append(int(tok))
-    if tok in params.eos_token_id:
-        state.finish_reasons[0] = "eos"
-    elif text.push(tok) or complete:  # the text now contains a stop string, or its grammar is complete
-        state.finish_reasons[0] = "stop"
-    elif len(generated) >= params.max_new_tokens:
-        state.finish_reasons[0] = "length"
-    if state.finish_reasons[0] is not None:
-        text.finish()
-    return Step(len(generated) - 1, np.array([tok]), np.array([True]), list(state.finish_reasons))
+def _emit(state: GenerationState, row: RowDecoder, tok: int, complete: bool = False) -> Step:
+    """Record one generated token; the row's finish rule (row_decoder.py) says whether it ends the row."""
+    state.finish_reasons[0] = row.push(tok, complete)
+    return Step(len(row.generated) - 1, np.array([tok]), np.array([True]), list(state.finish_reasons))

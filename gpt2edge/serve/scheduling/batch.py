@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gpt2edge.errors import Gpt2EdgeError
+from gpt2edge.runtime.decoding.row_decoder import RowDecoder
 from gpt2edge.serve.scheduling.jobs import Failure, Job, Piece, Row
 
 if TYPE_CHECKING:
@@ -43,35 +44,41 @@ def take_batch(waiting: deque[Job], max_batch: int, n_positions: int) -> list[Jo
     return chosen
 
 
-def advance(row: Row, token: int, runtime_reason: str | None, record: TokenLogprob | None = None) -> None:
-    """Feed one sampled token to a row: decode it, apply the row's stop strings and max_tokens, emit the new
-    text with the log-probs of the tokens that start in it (held back with their text)."""
-    row.n_tokens += 1
-    if row.job.metrics is not None:
-        row.job.metrics.token(row)
+def advance(row: Row, reason: str | None, record: TokenLogprob | None = None, new_token: bool = True) -> None:
+    """Send what one token added to a row, once its RowDecoder has taken it (the runtime's finish rule:
+    runtime/decoding/row_decoder.py): the new text (never half a character, never past a stop string, held back
+    while it may start one), with the log-probs of the tokens that start in it, and OpenAI's finish reason once
+    the row ended: "length" for max_tokens, "stop" for the rest (end-of-text, a stop id or string, a complete
+    grammar). new_token=False: the row ends without one."""
+    if new_token:
+        row.n_tokens += 1
+        if row.job.metrics is not None:
+            row.job.metrics.token(row)
     if row.logprobs is not None and record is not None:
         row.logprobs.push(record)
-    if runtime_reason == "eos":
-        piece, reason = row.text.finish(), "stop"  # OpenAI reports end-of-text as "stop"
-    elif runtime_reason == "stop":  # the row's grammar is complete: its token is text, and nothing may follow
-        piece, _ = row.text.push(token)
-        piece, reason = piece + row.text.finish(), "stop"
-    else:
-        piece, hit = row.text.push(token)
-        reason = "stop" if hit else None
-        if reason is None and row.n_tokens >= row.job.max_tokens:
-            piece, reason = piece + row.text.finish(), "length"
+    finish = None if reason is None else "length" if reason == "length" else "stop"
+    piece = row.text.take()
     row.sent += len(piece)
     tokens = None
     if row.logprobs is not None:
-        tokens = row.logprobs.finish(row.sent) if reason else row.logprobs.take(row.sent)
-    if piece or reason:
-        row.job.emit(Piece(row.choice, piece, reason, row.n_tokens, tokens))
-    row.done = reason is not None
+        tokens = row.logprobs.finish(row.sent) if finish else row.logprobs.take(row.sent)
+    if piece or finish:
+        row.job.emit(Piece(row.choice, piece, finish, row.n_tokens, tokens))
+    row.done = finish is not None
+
+
+def end_row(row: Row) -> None:
+    """A row the runtime ended without a final token for it (interrupted, or failed): what it has, as "stop"."""
+    if row.decoder is not None:
+        row.decoder.interrupt()
+    else:
+        row.text.finish()
+    advance(row, "stop", new_token=False)
 
 
 def on_step(rows: Sequence[Row], step) -> None:
-    """The Generator's per-step callback: rows are independent; a cancelled job's rows stop being read."""
+    """The Generator's per-step callback: each row's RowDecoder takes its token under the row's own stop strings
+    and max_tokens (jobs of one batch differ in those); a cancelled job's rows stop being read."""
     for b, row in enumerate(rows):
         if row.done:
             continue
@@ -79,9 +86,11 @@ def on_step(rows: Sequence[Row], step) -> None:
             row.done = row.dropped = True  # the runtime keeps decoding the row as padding; nobody reads it
             continue
         if not step.active[b]:  # the runtime finished this row without us noticing: end it cleanly
-            advance(row, -1, "eos")
+            end_row(row)
             continue
-        advance(row, int(step.tokens[b]), step.finished[b], None if step.logprobs is None else step.logprobs[b])
+        complete = step.finished[b] == "stop"  # the runtime runs no stop strings here: its "stop" is the grammar
+        reason = row.decoder.push(int(step.tokens[b]), complete)
+        advance(row, reason, None if step.logprobs is None else step.logprobs[b])
     if all(r.done for r in rows):
         raise _BatchDone
 
@@ -102,6 +111,10 @@ def run_batch(generator, jobs: Sequence[Job]) -> int:
     # the runtime records one N for the batch: the largest asked for; each row keeps the top of its own N
     top_n = max((job.logprobs for job in jobs if job.logprobs is not None), default=None)
     try:
+        for job in jobs:  # each row's own finish rule: the job's max_tokens and stop strings on the batch's tokens
+            params = generator.sampling_params(max_new_tokens=job.max_tokens, **job.sampling.generate_kwargs())
+            for r in job.rows:
+                r.decoder = RowDecoder(params, (), r.text, int(generator.graph.vocab_size))
         generator.generate(
             [r.prompt for r in rows],
             max_new_tokens=max_new,
@@ -119,6 +132,6 @@ def run_batch(generator, jobs: Sequence[Job]) -> int:
         fail(jobs, f"Internal error while decoding ({type(e).__name__}); the server is still running.")
     for row in rows:  # a row the runtime ended (e.g. interrupted) without a final step
         if not row.done and not row.job.cancelled:
-            advance(row, -1, "eos")
+            end_row(row)
         row.done = True
     return len(rows)

@@ -9,10 +9,12 @@ arrivals join a few at a time (a closed-loop burst of 64 equal requests would ot
 next-batch again). So a newcomer waits at most one decode step plus its prefill, not for the whole batch (the next-batch
 Scheduler, kept selectable with --scheduler next-batch, makes it wait for every row of the running batch).
 
-Rows are independent: each keeps its own SamplingParams, and each request its own random generator, drawn in
-the order the runtime draws them for that request alone (one uniform per row of the request per step, finished
-rows included while any row of it runs): a seeded request gives the runtime's text for that seed, whoever
-else is being served. Greedy rows get the tokens they get alone (the cache rows: gpt2edge.runtime.model.slots).
+Rows are independent: each row is the runtime's own RowDecoder and each request a RowGroup
+(runtime/decoding/row_decoder.py: its SamplingParams, processors, constraint, text, stop matcher and finish rule;
+one random generator drawn in the order the runtime draws it for that request alone, finished rows included while
+any row of it runs): a seeded request gives the runtime's text for that seed, whoever else is being served.
+This module only schedules; serve's own part of a token is the OpenAI mapping (batch.advance). Greedy rows get
+the tokens they get alone (the cache rows: gpt2edge.runtime.model.slots).
 """
 
 from __future__ import annotations
@@ -25,10 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from gpt2edge.errors import Gpt2EdgeError
-from gpt2edge.runtime.constraints.rows import ConstrainedRows
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
-from gpt2edge.runtime.decoding.row_penalties import RowPenalties
-from gpt2edge.runtime.decoding.sampling import SamplingParams, greedy_tokens, next_tokens
+from gpt2edge.runtime.decoding.row_decoder import RowGroup
 from gpt2edge.runtime.model.slots import SlotLM, slot_refusal
 from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import advance, fail
@@ -42,16 +42,12 @@ RETURN_SHARE = 0.05  # rows just freed: admission waits up to this share of a cy
 
 @dataclass(eq=False)
 class _Live:
-    """A job while it has rows in the cache: what its rows need between steps."""
+    """A job while it has rows in the cache: its rows' runtime decoders (one RNG, one constraint, one draw order)."""
 
     job: Job
-    params: SamplingParams
-    rng: np.random.Generator
+    group: RowGroup
     recorder: LogprobRecorder | None
-    seen: list[np.ndarray]  # per row of the job: prompt + generated ids (read by history processors)
     in_cache: list[bool]  # per row of the job: holds a cache row now
-    extras: list[RowPenalties] | None = None  # per row: penalties, logit_bias, stop_token_ids (when asked)
-    cons: ConstrainedRows | None = None  # structured output: a matcher per row (the runtime's, runtime/constraints)
 
     @property
     def running(self) -> bool:
@@ -60,8 +56,6 @@ class _Live:
 
 class ContinuousScheduler(Scheduler):
     """Scheduler's interface (submit, start, stop, stats); one thread owns the Generator's graph and a SlotLM."""
-
-    row_extras = True
 
     def __init__(self, generator, config: ServeConfig) -> None:
         super().__init__(generator, config)
@@ -88,8 +82,7 @@ class ContinuousScheduler(Scheduler):
             if self._cache_rows:
                 tokens = np.array(self._pending, dtype=np.int64)
                 for live in self._live:  # the next masks depend on the sampled tokens only: made during the step
-                    if live.cons is not None:
-                        live.cons.prefetch(np.array(live.in_cache))
+                    live.group.prefetch(np.array(live.in_cache))
                 lp = self.slots.step(tokens)
                 self._stats.steps += 1
                 self._sample(lp, list(range(len(self._cache_rows))))
@@ -142,20 +135,16 @@ class ContinuousScheduler(Scheduler):
         gen = self.generator
         first = len(self._cache_rows)
         prompts = []
+        width = self.slots.columns.width if self.slots.columns is not None else int(gen.graph.vocab_size)
         for job in jobs:
             params = gen.sampling_params(max_new_tokens=job.max_tokens, **job.sampling.generate_kwargs())
-            rng = np.random.default_rng(params.seed)
             recorder = None if job.logprobs is None else LogprobRecorder(gen.tokenizer, job.logprobs, 1)
             ids = [self._prompt_ids(job, row) for row in job.rows]
-            seen = [np.asarray(p, dtype=np.int64) for p in ids]
-            live = _Live(job, params, rng, recorder, seen, [True] * len(job.rows))
-            if job.sampling.row_extras:
-                width = self.slots.columns.width if self.slots.columns is not None else int(gen.graph.vocab_size)
-                kw = job.sampling.row_penalty_kwargs()
-                live.extras = [RowPenalties(width, self.slots.columns, **kw) for _ in job.rows]
-            if job.constraint is not None:  # end tokens (and stop_token_ids) only where the grammar accepts
-                ends = tuple(params.eos_token_id) + tuple(job.sampling.stop_token_ids)
-                live.cons = ConstrainedRows(job.constraint, len(job.rows), ends, self.slots.columns)
+            texts = [row.text for row in job.rows]
+            group = RowGroup.start(params, ids, texts, width, self.slots.columns, job.constraint)
+            for row, decoder in zip(job.rows, group.rows):
+                row.decoder = decoder
+            live = _Live(job, group, recorder, [True] * len(job.rows))
             self._live.append(live)
             for i in range(len(job.rows)):
                 self._cache_rows.append((live, i))
@@ -175,63 +164,35 @@ class ContinuousScheduler(Scheduler):
         return self.generator.tokenizer.encode(row.prompt) or [int(self.generator.bos_token_id)]
 
     def _sample(self, lp: np.ndarray, cache_rows: list[int]) -> None:
-        """lp[j] scores cache row cache_rows[j]: pick each row's token, job by job in the runtime's draw order."""
+        """lp[j] scores cache row cache_rows[j]: each job's RowGroup picks its rows' tokens in the runtime's draw
+        order (its finished rows, out of the cache, still draw), and each row's RowDecoder takes its token."""
         where = {self._cache_rows[c]: j for j, c in enumerate(cache_rows)}
         for c in cache_rows:
             self._pending[c] = -1
-        best: list[np.ndarray] = []
-
-        def best_of(scores: np.ndarray) -> np.ndarray:  # the step's argmax, computed once when a row needs it
-            if not best:
-                best.append(greedy_tokens(scores, self.slots.columns))
-            return best[0]
-
         for live in {self._cache_rows[c][0]: None for c in cache_rows}:  # each job once, in cache order
             try:
-                allowed = self._allowed(live, where)
-                for i, row in enumerate(live.job.rows):
-                    j = where.get((live, i))
-                    if j is None:  # a finished row of a running job: the runtime still draws for it
-                        if not live.params.greedy and live.running:
-                            live.rng.random()
-                        continue
-                    self._pending[cache_rows[j]] = self._sample_row(live, i, row, lp, j, best_of, allowed)
+                rows = [where.get((live, i)) for i in range(len(live.job.rows))]
+                tokens = live.group.choose(lp, rows)
+                for i, j in enumerate(rows):
+                    if j is not None:
+                        self._pending[cache_rows[j]] = self._take(live, i, int(tokens[i]), lp[j : j + 1])
             except Gpt2EdgeError as e:  # this job's constraint cannot go on (e.g. no token left): it alone fails
                 fail([live.job], str(e))
             except Exception as e:  # the engine's own failure (llguidance raises plain exceptions): it alone fails
                 log.exception("a row of a job failed at sampling")
                 fail([live.job], f"sampling failed: {type(e).__name__}: {e}")
 
-    def _allowed(self, live: _Live, where: dict) -> np.ndarray | None:
-        """(rows of the job, W) the job's grammar allows now, for its rows sampled at this step (None: free)."""
-        if live.cons is None:
-            return None
-        return live.cons.masks(np.array([(live, i) in where for i in range(len(live.job.rows))]))
-
-    def _sample_row(self, live: _Live, i: int, row: Row, lp: np.ndarray, j: int, best_of, allowed) -> int:
-        """Row i of the job (lp[j] its scores): pick its token, feed it to the row's text, matcher and extras.
-        The mask sits where the runtime puts it: after penalties / logit_bias and the processors, before the
-        warpers (next_tokens)."""
-        columns = self.slots.columns
-        scores = lp[j : j + 1]
-        if live.extras is None and live.cons is None and _plain_greedy(live.params, row.n_tokens):
-            token = int(best_of(lp)[j])  # no processor changes its scores: one argmax serves every such row
-        else:
-            adjusted = scores if live.extras is None else live.extras[i].apply(scores, row.n_tokens)
-            mask = None if allowed is None else allowed[i : i + 1]
-            token = int(next_tokens(adjusted, live.params, [live.seen[i]], row.n_tokens, live.rng, columns, mask)[0])
-        if live.extras is not None:
-            live.extras[i].push(token)
+    def _take(self, live: _Live, i: int, token: int, scores: np.ndarray) -> int:
+        """Row i of the job takes its token (scores: its (1, W) log-probs, for the recorded log-probs); the new
+        text goes to the client. Returns the token the row feeds at the next step."""
+        reason = live.group.push(i, token)
         record = None
         if live.recorder is not None:
-            record = live.recorder.record(scores, np.array([token]), [True], columns)[0]
+            record = live.recorder.record(scores, np.array([token]), [True], self.slots.columns)[0]
             live.recorder.rows[0].clear()  # the row keeps its own records (Row.logprobs)
-        if live.params.uses_history:
-            live.seen[i] = np.append(live.seen[i], token)
-        eos = token in live.params.eos_token_id or token in live.job.sampling.stop_token_ids
+        row = live.job.rows[i]
         if not row.done and not live.job.cancelled:
-            complete = live.cons is not None and not eos and live.cons.advance(i, token)
-            advance(row, token, "eos" if eos else "stop" if complete else None, record)
+            advance(row, reason, record)
         return token
 
     def _release(self) -> None:
@@ -277,12 +238,6 @@ class ContinuousScheduler(Scheduler):
         out["cache_relayouts"] = self.slots.relayouts
         out["cache_slots_read"], out["cache_slots_used"] = self.slots.slots_read, self.slots.slots_used
         return out
-
-
-def _plain_greedy(params: SamplingParams, n_generated: int) -> bool:
-    """Greedy with no logits processor active at this step: the token is the raw scores' argmax."""
-    return (params.greedy and not params.uses_history and not params.bad_words_ids
-            and n_generated >= params.min_new_tokens)  # fmt: skip
 
 
 def load_scheduler(

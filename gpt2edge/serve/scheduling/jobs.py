@@ -9,8 +9,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gpt2edge.runtime.decoding.row_decoder import RowDecoder
+from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 from gpt2edge.serve.scheduling.logprobs import ChoiceLogprobs, TokenEntry
-from gpt2edge.serve.scheduling.rowtext import Decoder, RowText
 
 _ids = itertools.count(1)
 
@@ -20,9 +21,8 @@ class Sampling:
     """A request's sampling knobs. temperature 0 is greedy. OpenAI's own; vLLM's and llama-server's extras
     (top_k, min_p, typical_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos) with their off values.
 
-    top_k .. min_tokens are transformers' processors and warpers (the runtime's SamplingParams); presence and
-    frequency penalties, logit_bias and stop_token_ids act per row in the continuous scheduler
-    (runtime/decoding/row_penalties.py).
+    They map onto the runtime's SamplingParams (generate_kwargs): the scheduler's RowDecoder applies them per
+    row (runtime/decoding/row_decoder.py), so every scheduler takes every field.
     """
 
     temperature: float = 1.0
@@ -44,23 +44,14 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
-    def row_extras(self) -> bool:
-        """Knobs only the continuous scheduler applies (per row, outside the runtime's SamplingParams)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.stop_token_ids)
-
-    def row_penalty_kwargs(self) -> dict[str, Any]:
-        """RowPenalties keywords (the runtime's per-row penalties, logit_bias and stop_token_ids)."""
-        return dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                    logit_bias=self.logit_bias, stop_token_ids=self.stop_token_ids,
-                    min_tokens=self.min_tokens)  # fmt: skip
-
     def generate_kwargs(self) -> dict[str, Any]:
         """Generator.generate keywords: OpenAI semantics, not the folder's generation_config.json (its beams,
         n-gram and bad-word bans... are skipped: transformers' defaults, which are off, apply), and top-k off
         unless asked (transformers' default is 50). One sequence per row: OpenAI's n is rows of the batch."""
         common = dict(folder_defaults=False, ignore_eos=self.ignore_eos, top_k=self.top_k,
-                      repetition_penalty=self.repetition_penalty, min_new_tokens=self.min_tokens)  # fmt: skip
+                      repetition_penalty=self.repetition_penalty, min_new_tokens=self.min_tokens,
+                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                      logit_bias=self.logit_bias, stop_token_ids=self.stop_token_ids)  # fmt: skip
         if self.greedy:
             return dict(common, do_sample=False)
         return dict(common, do_sample=True, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
@@ -98,8 +89,9 @@ class Row:
     choice: int
     prompt: str
     prompt_len: int
-    text: RowText
+    text: TextStream  # its text and stop strings (the runtime's one stop matcher)
     logprobs: ChoiceLogprobs | None = None  # when the request asked for them
+    decoder: RowDecoder | None = None  # the runtime's row (its finish rule), set by the scheduler that runs it
     n_tokens: int = 0
     sent: int = 0  # characters of text emitted so far
     done: bool = False
@@ -122,7 +114,7 @@ class Job:
     sampling: Sampling
     stop: tuple[str, ...]
     emit: Callable[[Event], None]
-    tokenizer: Decoder
+    tokenizer: TextTokenizer
     logprobs: int | None = None  # OpenAI's logprobs: report each token's log-prob and its top N
     prompt_ids: Sequence[Sequence[int]] | None = None  # each prompt's token ids, when already encoded
     metrics: Any = None  # serve.hosting.metrics.Metrics: told of every token (time to first token, inter-token latency)
@@ -137,10 +129,13 @@ class Job:
     def __post_init__(self) -> None:
         # choice index = prompt index * n + j, as OpenAI numbers them
         self.rows = [
-            Row(self, p * self.n + j, prompt, plen, RowText(self.tokenizer, self.stop), self._choice_logprobs(prompt))
+            Row(self, p * self.n + j, prompt, plen, self._text(), self._choice_logprobs(prompt))
             for p, (prompt, plen) in enumerate(zip(self.prompts, self.prompt_lens))
             for j in range(self.n)
         ]
+
+    def _text(self) -> TextStream:
+        return TextStream(self.tokenizer, self.stop)
 
     def _choice_logprobs(self, prompt: str) -> ChoiceLogprobs | None:
         return None if self.logprobs is None else ChoiceLogprobs(self.tokenizer, self.logprobs, len(prompt))

@@ -13,12 +13,15 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from gpt2edge.serve.scheduling.rowtext import Decoder
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from gpt2edge.runtime.decoding.logprobs import TokenLogprob
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int]) -> str: ...
+
 
 FLOOR = -9999.0  # OpenAI's stand-in for a log-prob of -inf (a token the model gives probability 0; JSON has no inf)
 

@@ -96,14 +96,12 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class ModelLimits:
     """What a request is checked against beside the server's limits: the model's positions, the rows one
-    request may take (a static graph's batch), its vocabulary, and whether the scheduler applies the per-row
-    extras (penalties, logit_bias, stop_token_ids). encode gives an empty prompt its start token."""
+    request may take (a static graph's batch) and its vocabulary. encode gives an empty prompt its start token."""
 
     n_positions: int
     max_rows: int
     vocab_size: int
     encode: Callable[[str], list[int]]
-    row_extras: bool = True
     rows_why: str = ""  # why max_rows is below --max-batch: " (its static graph's batch)", memory
     max_token_bytes: int | None = None  # the most bytes of text one token covers (None: not known)
     compile: Callable[[Any], Any] | None = None  # a runtime Constraint -> compiled for this model (engine cache)
@@ -176,7 +174,7 @@ def plan_request(
     if req.min_tokens is not None and req.min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens",
                        "invalid_value")  # fmt: skip
-    sampling = sampling_from(req, limits.vocab_size, limits.row_extras)
+    sampling = sampling_from(req, limits.vocab_size)
     constraint, compiled = constraint_from(req, limits.compile)
     if constraint is not None:
         sampling = replace(sampling, constraint=constraint)

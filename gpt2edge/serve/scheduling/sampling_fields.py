@@ -12,8 +12,6 @@ from typing import Any
 from gpt2edge.serve.api.protocol import ApiError
 from gpt2edge.serve.scheduling.jobs import Sampling
 
-ROW_EXTRAS = ("presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids")
-
 
 def _bias_id(key: str, vocab_size: int) -> int:
     """A logit_bias key: a token id in ASCII decimal digits, no sign, space or leading zero ("05" would be a second
@@ -32,13 +30,8 @@ def _in_vocab(tid: int, vocab_size: int, field: str) -> int:
     return tid
 
 
-def sampling_from(req: Any, vocab_size: int, row_extras: bool) -> Sampling:
-    """row_extras: the scheduler applies penalties, logit_bias and stop_token_ids (the continuous one does)."""
-    given = [name for name in ROW_EXTRAS if getattr(req, name, None)]
-    if given and not row_extras:
-        raise ApiError(400, f"{given[0]} needs the continuous scheduler; this server runs next-batch (--scheduler "
-                       "next-batch, a --static folder, CUDA or an approximate sparse head: its start-up log says "
-                       "which); omit it.", given[0], "unsupported")  # fmt: skip
+def sampling_from(req: Any, vocab_size: int) -> Sampling:
+    """The request's sampling fields, checked (either scheduler applies every one: the runtime's RowDecoder)."""
     bias = tuple((_bias_id(k, vocab_size), float(v)) for k, v in (req.logit_bias or {}).items())
     stop_ids = tuple(_in_vocab(t, vocab_size, "stop_token_ids") for t in (req.stop_token_ids or ()))
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0

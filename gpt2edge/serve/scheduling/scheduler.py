@@ -48,8 +48,6 @@ class SchedulerStats:
 class Scheduler:
     """submit() from any thread (cheap, never blocks); one daemon thread decodes."""
 
-    row_extras = False  # per-row penalties, logit_bias, stop_token_ids: the continuous scheduler's
-
     def __init__(self, generator, config: ServeConfig) -> None:
         self.generator = generator
         self.config = config
@@ -75,7 +73,7 @@ class Scheduler:
 
     def limits(self) -> ModelLimits:
         vocab = int(self.generator.graph.vocab_size)
-        return ModelLimits(self.n_positions, self.max_rows, vocab, self.encode, self.row_extras, self._rows_why,
+        return ModelLimits(self.n_positions, self.max_rows, vocab, self.encode, self._rows_why,
                            getattr(self.tokenizer, "max_token_bytes", lambda: None)(), self.compile)  # fmt: skip
 
     def compile(self, constraint):
