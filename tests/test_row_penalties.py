@@ -11,10 +11,13 @@ from gpt2edge.errors import GenerationError  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
 
 
-def test_api_and_server_agree_on_penalties_bias_and_stops(tiny_export):
+@pytest.mark.parametrize("scheduler", ["continuous", "next-batch"])
+def test_api_and_server_agree_on_penalties_bias_and_stops(tiny_export, scheduler):
+    """Both schedulers drive the runtime's RowDecoder: every field gives the Generator's text and finish reason."""
     gen = Generator(tiny_export)
     plain = gen.generate(PROMPTS[3], max_new_tokens=10, ignore_eos=True, do_sample=False, top_k=0).token_ids
     stop = plain[4]
+    text = gen.tokenizer.decode(plain)
     requests = [  # (server fields, Generator keywords): greedy and seeded, penalties, a forced/banned token, a stop
         ({"temperature": 0, "presence_penalty": 1.5, "frequency_penalty": 0.7}, {"do_sample": False}),
         ({"temperature": 0, "logit_bias": {str(plain[0] + 1): 100}}, {"do_sample": False}),
@@ -23,13 +26,16 @@ def test_api_and_server_agree_on_penalties_bias_and_stops(tiny_export):
             {"temperature": 0.9, "seed": 7, "frequency_penalty": 1.0, "logit_bias": {str(plain[1]): -100}},
             {"do_sample": True, "temperature": 0.9, "seed": 7, "top_p": 1.0},
         ),  # fmt: skip
+        ({"temperature": 0.8, "seed": 3, "presence_penalty": 0.5, "stop": [text[3:6]]},
+         {"do_sample": True, "temperature": 0.8, "seed": 3, "top_p": 1.0}),  # fmt: skip
         ({"temperature": 0, "stop_token_ids": [stop]}, {"do_sample": False}),
     ]
-    with running(tiny_export) as (url, _):
+    with running(tiny_export, scheduler=scheduler) as (url, _):
         for fields, kw in requests:
             body = {"prompt": PROMPTS[3], "max_tokens": 10, "ignore_eos": True, **fields}
             served = post(url, body).json()["choices"][0]
-            api_kw = {k: fields[k] for k in ("presence_penalty", "frequency_penalty", "stop_token_ids") if k in fields}
+            names = ("presence_penalty", "frequency_penalty", "stop_token_ids", "stop")
+            api_kw = {k: fields[k] for k in names if k in fields}
             if "logit_bias" in fields:
                 api_kw["logit_bias"] = {int(t): b for t, b in fields["logit_bias"].items()}
             out = gen.generate(PROMPTS[3], max_new_tokens=10, ignore_eos=True, top_k=0, folder_defaults=False,

@@ -83,6 +83,7 @@ def generate(
     from gpt2edge.cli.escapes import process_escapes
     from gpt2edge.prompt_input import collect_prompts, read_prompt_file
     from gpt2edge.runtime import Generator
+    from gpt2edge.runtime.call_params import CONFIG_KEYS
     from gpt2edge.runtime.decoding.beam import search_params
 
     files = prompt_files + batch_files
@@ -112,27 +113,10 @@ def generate(
         sample = do_sample if do_sample is not None else gen.sampling_params().do_sample
         knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, seed=seed)
         note_ignored_knobs(sample, knobs)
-        kwargs = dict(
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=min_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            min_p=min_p,
-            typical_p=typical_p,
-            no_repeat_ngram_size=no_repeat_ngram_size,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias,
-            stop_token_ids=stop_token_ids or None,
-            ban=ban,
-            do_sample=sample,
-            seed=seed,
-            stop=stop,
-            ignore_eos=ignore_eos,
-            truncate=truncate,
-        )
+        options = click.get_current_context().params
+        kwargs = {k: options[k] for k in CONFIG_KEYS if k in options}  # the record's knobs (bad_words_ids: --ban)
+        kwargs.update(stop_token_ids=stop_token_ids or None, do_sample=sample, ban=ban, seed=seed, stop=stop,
+                      ignore_eos=ignore_eos, truncate=truncate)  # fmt: skip
         if constraint is not None:
             kwargs["constraint"] = constraint
         if interactive:

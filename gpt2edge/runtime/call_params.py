@@ -4,30 +4,21 @@ SamplingParams, the knobs that turn sampling on, and stop / banned strings as ch
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 from gpt2edge.api_args import strings_arg
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 from gpt2edge.runtime.model.tokenizer import check_unicode
 
-# generation_config.json keys that map one-to-one onto SamplingParams
-CONFIG_KEYS = (
-    "max_new_tokens",
-    "min_new_tokens",
-    "do_sample",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "typical_p",
-    "repetition_penalty",
-    "no_repeat_ngram_size",
-    "bad_words_ids",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "stop_token_ids",
-)
+# SamplingParams' fields the Generator resolves from its own arguments (eos_token_id from ignore_eos, stop from
+# strings, seed), never from generation_config.json or an override
+RESOLVED = ("eos_token_id", "stop", "seed")
+# the request's knobs: generation_config.json keys and Generator call overrides, one-to-one onto SamplingParams
+# (derived from the record, so a new field is a knob everywhere at once; tests/test_request_record.py checks the
+# CLI, the server and the browser runtime against it)
+CONFIG_KEYS = tuple(f.name for f in fields(SamplingParams) if f.name not in RESOLVED)
 # knobs that act only when sampling: giving one turns sampling on unless do_sample is given
 SAMPLING_KNOBS = ("temperature", "top_k", "top_p", "min_p", "typical_p")
 
@@ -47,9 +38,7 @@ def stop_strings(stop: str | Sequence[str] | None, what: str = "Stop strings") -
     return tuple(check_unicode(s, f"{what[:-1]} {s!r}") for s in stops)
 
 
-def merged_values(
-    defaults: dict[str, Any], overrides: dict[str, Any], banned: list[tuple[int, ...]]
-) -> dict[str, Any]:
+def merged_values(defaults: dict[str, Any], overrides: dict[str, Any], banned: list[tuple[int, ...]]) -> dict[str, Any]:
     """SamplingParams' knobs: generation_config.json's `defaults`, then the call's non-None `overrides` (an
     unknown name raises), then the `banned` id sequences joined to any bad_words_ids."""
     unknown = set(overrides) - set(CONFIG_KEYS)
