@@ -65,3 +65,29 @@ def test_the_browser_runtimes_keys_are_the_records():
     keys, knobs = _js_array(src, "CONFIG_KEYS"), _js_array(src, "SAMPLING_KNOBS")
     assert set(keys) <= set(CONFIG_KEYS), set(keys) - set(CONFIG_KEYS)
     assert knobs == [k for k in SAMPLING_KNOBS if k in keys]  # the same rule: giving one turns sampling on
+
+
+def test_a_request_resolved_once_generates_what_the_call_does(tiny_export):
+    """Generator.request resolves a call (parameters, search mode, constraint, prompts) before any model work;
+    generate() and stream() take it as it is and give the call's own tokens."""
+    from gpt2edge.errors import GenerationError
+    from gpt2edge.runtime import GenerationRequest, Generator
+
+    gen = Generator(tiny_export)
+    kw = dict(max_new_tokens=6, do_sample=True, seed=5, temperature=0.9, presence_penalty=0.5, stop=["zz"])
+    req = gen.request("The river rose", **kw)
+    assert isinstance(req, GenerationRequest) and req.prompts == (tuple(gen.tokenizer.encode("The river rose")),)
+    direct = gen.generate("The river rose", **kw)
+    assert gen.generate(req).token_ids == direct.token_ids
+    result: list = []
+    assert "".join(gen.stream(req, result=result)) == direct.text and result[0].token_ids == direct.token_ids
+    batch = gen.request(["A", "The city"], max_new_tokens=3, do_sample=False)
+    assert [r.token_ids for r in gen.generate(batch)] == [
+        r.token_ids for r in gen.generate(["A", "The city"], max_new_tokens=3, do_sample=False)
+    ]
+    with pytest.raises(GenerationError, match="carries its options; pass seed"):
+        gen.generate(req, seed=1)  # an option beside a request would be silently lost
+    with pytest.raises(GenerationError, match="one prompt and one sequence"):
+        gen.stream(batch)
+    with pytest.raises(GenerationError, match="positions"):  # checked at resolve time, before any model work
+        gen.request("a " * 5000, max_new_tokens=4)

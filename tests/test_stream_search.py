@@ -109,13 +109,13 @@ def test_cli_num_beams_1_decodes_one_sequence_over_the_folders_beams(beams, extr
 @pytest.mark.parametrize("sequential", [True, False])
 def test_sequential_is_honoured_with_beam_search(beams, monkeypatch, sequential):
     calls = []
-    original = Generator.generate
+    original = Generator.request  # the CLI resolves each call once, then generates it
 
     def spy(self, prompt, **kwargs):
         calls.append(prompt if isinstance(prompt, str) else list(prompt))
         return original(self, prompt, **kwargs)
 
-    monkeypatch.setattr(Generator, "generate", spy)
+    monkeypatch.setattr(Generator, "request", spy)
     args = ["generate", beams, "-p", "The river", "-p", "A", "-n", "3", "--no-stream"]
     out = cli(*args, *(["--sequential"] if sequential else []))
     assert out.exit_code == 0, out.output

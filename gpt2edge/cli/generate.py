@@ -129,11 +129,7 @@ def generate(
                                    "{flags} to drop this note).")  # fmt: skip
             kwargs.update(ONE_SEQUENCE)  # what a session decodes (it refuses more)
             sys.exit(run_interactive(gen, texts[0] if texts else None, kwargs))
-        # every prompt must fit before the first one is generated (--sequential would otherwise fail midway)
-        params = gen.sampling_params(**{k: v for k, v in kwargs.items() if k not in ("truncate", "constraint")})
         kwargs["logprobs"] = logprobs
-        for text in texts:
-            gen.encode_prompt(text, params.max_new_tokens, truncate)
         search = dict(  # beam search / several sequences per prompt: printed once complete
             num_beams=num_beams,
             num_return_sequences=num_return_sequences,
@@ -143,15 +139,20 @@ def generate(
         stream = not (no_stream or as_json)
         # generation_config.json may ask for beams or several sequences too: Generator.generate follows it
         merged = search_params(gen.defaults, **search)
+        # each call resolved once, every prompt checked to fit before the first one is generated (--sequential
+        # would otherwise fail midway): generate() and stream() take these requests as they are
         if merged.expands:
+            batches = [[t] for t in texts] if sequential else [texts]
+            requests = [gen.request(b, **kwargs, **search) for b in batches]
             if stream and not search_params({}, **search).expands:  # the folder, not a flag, turned streaming off
                 note_folder_search(merged, "each sequence prints once complete, not streamed (pass {flags} to stream "
                                    "one sequence).")  # fmt: skip
-            interrupted = generate_search(gen, texts, {**kwargs, **search}, as_json, sequential)
+            interrupted = generate_search(gen, batches, requests, as_json)
         elif sequential or len(texts) == 1:  # one sequence per prompt, said over the folder's num_beams
-            interrupted = generate_each(gen, texts, {**kwargs, **ONE_SEQUENCE}, stream, as_json)
+            requests = [gen.request(t, **kwargs, **ONE_SEQUENCE) for t in texts]
+            interrupted = generate_each(gen, texts, requests, stream, as_json)
         else:
-            interrupted = generate_batch(gen, texts, {**kwargs, **ONE_SEQUENCE}, as_json)
+            interrupted = generate_batch(gen, texts, gen.request(texts, **kwargs, **ONE_SEQUENCE), as_json)
     except KeyboardInterrupt:
         interrupted = True
     if interrupted:

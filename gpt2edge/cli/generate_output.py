@@ -24,13 +24,14 @@ def separator(prompt: int, n_prompts: int, seq: int = 0, n_seqs: int = 1) -> Non
         click.echo(f"--- {', '.join(parts)} ---")
 
 
-def generate_each(gen, texts: list[str], kwargs: dict, stream: bool, as_json: bool) -> bool:
-    """Each prompt on its own, streamed or printed; returns whether Ctrl-C stopped it."""
+def generate_each(gen, texts: list[str], requests: list, stream: bool, as_json: bool) -> bool:
+    """Each prompt on its own (requests: Generator.request of each), streamed or printed; returns whether
+    Ctrl-C stopped it."""
     results = []
-    for i, text in enumerate(texts):
+    for i, (text, request) in enumerate(zip(texts, requests)):
         if not as_json:
             separator(i, len(texts))
-        result = _stream_one(gen, text, kwargs) if stream else gen.generate(text, **kwargs)
+        result = _stream_one(gen, text, request) if stream else gen.generate(request)
         results.append(result)
         if not as_json and stream:
             print_finish(result)
@@ -45,10 +46,10 @@ def generate_each(gen, texts: list[str], kwargs: dict, stream: bool, as_json: bo
     return any(r.finish_reason == "interrupted" for r in results)
 
 
-def _stream_one(gen, text: str, kwargs: dict):
+def _stream_one(gen, text: str, request):
     """Print the prompt, then the generated text as it is decoded; returns the GenerationResult."""
     results: list = []
-    pieces = gen.stream(text, result=results, **kwargs)  # raises on bad parameters, before output
+    pieces = gen.stream(request, result=results)
     click.echo(text, nl=False)
     try:
         for piece in pieces:
@@ -58,9 +59,9 @@ def _stream_one(gen, text: str, kwargs: dict):
     return results[0]
 
 
-def generate_batch(gen, texts: list[str], kwargs: dict, as_json: bool) -> bool:
-    """All prompts as one left-padded batch; returns whether Ctrl-C stopped it."""
-    results = gen.generate(texts, **kwargs)
+def generate_batch(gen, texts: list[str], request, as_json: bool) -> bool:
+    """All prompts as one left-padded batch (one request); returns whether Ctrl-C stopped it."""
+    results = gen.generate(request)
     if as_json:
         _print_json_results(texts, results)
     else:
@@ -71,13 +72,15 @@ def generate_batch(gen, texts: list[str], kwargs: dict, as_json: bool) -> bool:
     return any(r.finish_reason == "interrupted" for r in results)
 
 
-def generate_search(gen, texts: list[str], kwargs: dict, as_json: bool, sequential: bool = False) -> bool:
+def generate_search(gen, batches: list[list[str]], requests: list, as_json: bool) -> bool:
     """Beam search or several sequences per prompt, one row per sequence (prompt by prompt, best first), all
-    prompts as one batch or (sequential) each printed once done; returns whether Ctrl-C stopped it."""
+    prompts as one batch or (--sequential) a batch of one each, each printed once done; returns whether Ctrl-C
+    stopped it."""
     rows: list = []
     done = 0  # prompts printed before this batch
-    for batch in [[t] for t in texts] if sequential else [texts]:
-        results = gen.generate(batch, **kwargs)
+    n_texts = sum(map(len, batches))
+    for batch, request in zip(batches, requests):
+        results = gen.generate(request)
         # num_return_sequences > 1 gives a list per prompt
         groups = [res if isinstance(res, list) else [res] for res in results]
         new = [(t, r) for t, group in zip(batch, groups) for r in group]
@@ -85,7 +88,7 @@ def generate_search(gen, texts: list[str], kwargs: dict, as_json: bool, sequenti
         if not as_json:
             for p, (t, group) in enumerate(zip(batch, groups)):
                 for j, r in enumerate(group):
-                    separator(done + p, len(texts), j, len(group))
+                    separator(done + p, n_texts, j, len(group))
                     _print_result(t, r)
             print_timings(new[0][1].timings, sum(len(r.token_ids) for _, r in new))
         done += len(batch)

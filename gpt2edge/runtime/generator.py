@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,28 @@ from gpt2edge.runtime.model.pool import LMPool, check_max_contexts
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
 from gpt2edge.runtime.results import GenerationResult, results_of
 from gpt2edge.runtime.speculative.speculator import SpecState, Speculator
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generate() / stream() call resolved once (Generator.request): its prompts as token ids (checked to fit),
+    its SamplingParams, search mode and compiled constraint. Built only by Generator.request."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    single: bool  # one prompt given as a string: generate() returns one result, not a list
+    params: SamplingParams
+    search: SearchParams
+    constraint: Any  # a CompiledConstraint, or None
+    logprobs: int | None
+
+
+def _no_options(**given: Any) -> None:
+    """A GenerationRequest carries its options: a call that also passes one would silently lose it."""
+    defaults = {"truncate": False, "ignore_eos": False, "stop": (), "folder_defaults": True}
+    named = [k for k, v in given.items() if v != defaults.get(k)]
+    if named:
+        raise GenerationError(f"A GenerationRequest carries its options; pass {', '.join(named)} to "
+                              "Generator.request() instead.")  # fmt: skip
 
 
 class Generator:
@@ -148,9 +171,60 @@ class Generator:
         check_generation_memory(self.folder, ids, params.max_new_tokens, rows, logprobs=logprobs)
         return ids
 
-    def generate(
+    def request(
         self,
         prompt: str | Sequence[str],
+        *,
+        truncate: bool = False,
+        ignore_eos: bool = False,
+        stop: str | Sequence[str] | None = (),
+        seed: int | None = None,
+        logprobs: int | None = None,
+        num_beams: int | None = None,
+        num_return_sequences: int | None = None,
+        length_penalty: float | None = None,
+        early_stopping: bool | str | None = None,
+        folder_defaults: bool = True,
+        constraint: Constraint | None = None,
+        **sampling: Any,
+    ) -> GenerationRequest:
+        """Resolve a call once: merge and check its parameters, the search mode and the constraint, encode each
+        prompt (and check it fits the positions and the rows the memory), before any model work. generate() and
+        stream() take the result as their prompt (the CLI checks every prompt this way before the first runs);
+        the keywords are generate()'s."""
+        params = self.sampling_params(
+            ignore_eos=ignore_eos, stop=stop, seed=seed, folder_defaults=folder_defaults, **sampling
+        )
+        search = search_params(
+            self._defaults(folder_defaults), num_beams=num_beams, num_return_sequences=num_return_sequences,
+            length_penalty=length_penalty, early_stopping=early_stopping,
+        )  # fmt: skip
+        check_search(search, params)
+        batch, single = prompts_arg(prompt)  # a str, or a list of them (TypeError otherwise)
+        compiled = compile_for(self, constraint)
+        check_logprobs(logprobs, self.graph.vocab_size)
+        rows = 1
+        if search.expands:
+            if self.speculator is not None:
+                raise GenerationError(
+                    "Speculative decoding (a draft or prompt lookup) decodes one sequence per prompt; drop "
+                    "num_beams / num_return_sequences, or use a Generator without draft."
+                )
+            if logprobs is not None:
+                raise GenerationError("logprobs is recorded for one sequence per prompt; drop num_beams or "
+                                      "num_return_sequences, or logprobs.")  # fmt: skip
+            if self.folder.kv_cache == "static":  # fixed rows: no beam rows to expand or reorder
+                raise GenerationError(
+                    f"{self.folder.path} is a static-shape export (fixed batch and cache); beam search and "
+                    "num_return_sequences need a dynamic export (without --static)."
+                )
+            rows = max(search.num_beams, search.num_return_sequences)
+        encoded = self._encode(batch, truncate, params, rows, logprobs=logprobs)
+        return GenerationRequest(tuple(map(tuple, encoded)), single, params, search, compiled, logprobs)
+
+    def generate(
+        self,
+        prompt: str | Sequence[str] | GenerationRequest,
         *,
         truncate: bool = False,
         callback: Callable[[Step], None] | None = None,
@@ -174,32 +248,28 @@ class Generator:
         With num_return_sequences > 1 each prompt gets a list of results instead (best beam first), so a
         prompt gives a list and a list of prompts a list of lists. num_beams > 1 is beam search (results
         carry sequence_score); num_return_sequences > 1 without it samples, prefilling each prompt once.
-        constraint: the text must match it (docs/structured.md); each row (sequence) has its own matcher."""
-        params = self.sampling_params(
-            ignore_eos=ignore_eos, stop=stop, seed=seed, folder_defaults=folder_defaults, **sampling
-        )
-        search = search_params(
-            self._defaults(folder_defaults), num_beams=num_beams, num_return_sequences=num_return_sequences,
-            length_penalty=length_penalty, early_stopping=early_stopping,
-        )  # fmt: skip
-        check_search(search, params)
-        batch, single = prompts_arg(prompt)  # a str, or a list of them (TypeError otherwise)
-        compiled = compile_for(self, constraint)
-        if search.expands:
-            if self.speculator is not None:
-                raise GenerationError(
-                    "Speculative decoding (a draft or prompt lookup) decodes one sequence per prompt; drop "
-                    "num_beams / num_return_sequences, or use a Generator without draft."
-                )
-            if logprobs is not None:
-                raise GenerationError("logprobs is recorded for one sequence per prompt; drop num_beams or "
-                                      "num_return_sequences, or logprobs.")  # fmt: skip
-            groups = self._generate_many(batch, truncate, callback, params, search, compiled)
-            if search.num_return_sequences == 1:
+        constraint: the text must match it (docs/structured.md); each row (sequence) has its own matcher.
+        prompt may be a GenerationRequest (Generator.request: resolved once); it carries every option then."""
+        if isinstance(prompt, GenerationRequest):
+            _no_options(truncate=truncate, ignore_eos=ignore_eos, stop=stop, seed=seed, logprobs=logprobs,
+                        num_beams=num_beams, num_return_sequences=num_return_sequences, length_penalty=length_penalty,
+                        early_stopping=early_stopping, folder_defaults=folder_defaults, constraint=constraint,
+                        **sampling)  # fmt: skip
+            req = prompt
+        else:
+            req = self.request(
+                prompt, truncate=truncate, ignore_eos=ignore_eos, stop=stop, seed=seed, logprobs=logprobs,
+                num_beams=num_beams, num_return_sequences=num_return_sequences, length_penalty=length_penalty,
+                early_stopping=early_stopping, folder_defaults=folder_defaults, constraint=constraint, **sampling,
+            )  # fmt: skip
+        prompts = [list(p) for p in req.prompts]
+        if req.search.expands:
+            groups = self._generate_many(prompts, callback, req)
+            if req.search.num_return_sequences == 1:
                 groups = [g[0] for g in groups]
-            return groups[0] if single else groups
-        recorder = self.logprob_recorder(logprobs, len(batch))
-        state = self._state(self._encode(batch, truncate, params, logprobs=logprobs), params, recorder, compiled)
+            return groups[0] if req.single else groups
+        recorder = self.logprob_recorder(req.logprobs, len(prompts))
+        state = self._state(prompts, req.params, recorder, req.constraint)
         with self._pool.lease() as lm:
             try:
                 for step in self._steps(lm, state):
@@ -208,26 +278,13 @@ class Generator:
             except KeyboardInterrupt:
                 state.finish_reasons = [r or "interrupted" for r in state.finish_reasons]
         results = results_of(state)
-        return results[0] if single else results
+        return results[0] if req.single else results
 
     def _generate_many(
-        self,
-        prompts: list[str],
-        truncate: bool,
-        callback: Callable[[Step], None] | None,
-        params: SamplingParams,
-        search: SearchParams,
-        compiled=None,  # a CompiledConstraint: one matcher per sequence
+        self, encoded: list[list[int]], callback: Callable[[Step], None] | None, req: GenerationRequest
     ) -> list[list[GenerationResult]]:
         """Beam search or several samples per prompt: num_return_sequences results per prompt."""
-        if not prompts:
-            raise GenerationError("No prompt given.")
-        encoded = self._encode(prompts, truncate, params, max(search.num_beams, search.num_return_sequences))
-        if self.folder.kv_cache == "static":  # fixed rows: no beam rows to expand or reorder
-            raise GenerationError(
-                f"{self.folder.path} is a static-shape export (fixed batch and cache); beam search and "
-                "num_return_sequences need a dynamic export (without --static)."
-            )
+        params, search, compiled = req.params, req.search, req.constraint
         with self._pool.lease() as lm:
             if search.num_beams > 1:
                 state = BeamState(prompts=encoded, params=params, search=search, constraint=compiled)
@@ -254,7 +311,7 @@ class Generator:
 
     def stream(
         self,
-        prompt: str,
+        prompt: str | GenerationRequest,
         *,
         truncate: bool = False,
         ignore_eos: bool = False,
@@ -272,12 +329,24 @@ class Generator:
         concatenated pieces. Bad parameters raise here, before the first piece. Streams of one Generator may
         be interleaved with each other and with generate() calls, in one thread or several: each holds its own
         KV cache from its first piece until it is exhausted or closed. A stream is one sequence: beam search or
-        several sequences (asked for here or by generation_config.json) raise; num_beams=1 streams one anyway."""
-        check_one_sequence(self.defaults, "stream()", num_beams=num_beams, num_return_sequences=num_return_sequences)
-        params = self.sampling_params(ignore_eos=ignore_eos, stop=stop, seed=seed, **sampling)
-        recorder, compiled = self.logprob_recorder(logprobs, 1), compile_for(self, constraint)
-        prompts = self._encode([text_arg(prompt, "prompt")], truncate, params, logprobs=logprobs)
-        return self._stream_pieces(self._state(prompts, params, recorder, compiled), result)
+        several sequences (asked for here or by generation_config.json) raise; num_beams=1 streams one anyway.
+        prompt may be a GenerationRequest of one prompt and one sequence (Generator.request)."""
+        if isinstance(prompt, GenerationRequest):
+            _no_options(truncate=truncate, ignore_eos=ignore_eos, stop=stop, seed=seed, logprobs=logprobs,
+                        num_beams=num_beams, num_return_sequences=num_return_sequences, constraint=constraint,
+                        **sampling)  # fmt: skip
+            if not prompt.single or prompt.search.expands:
+                raise GenerationError("stream() takes a request of one prompt and one sequence.")
+            req = prompt
+        else:
+            counts = dict(num_beams=num_beams, num_return_sequences=num_return_sequences)
+            check_one_sequence(self.defaults, "stream()", **counts)
+            req = self.request(text_arg(prompt, "prompt"), truncate=truncate, ignore_eos=ignore_eos, stop=stop,
+                               seed=seed, logprobs=logprobs, num_beams=1, num_return_sequences=1,
+                               constraint=constraint, **sampling)  # fmt: skip
+        recorder = self.logprob_recorder(req.logprobs, 1)
+        state = self._state([list(p) for p in req.prompts], req.params, recorder, req.constraint)
+        return self._stream_pieces(state, result)
 
     def logprob_recorder(self, n: int | None, batch: int) -> LogprobRecorder | None:
         """None when log-probs were not asked for; raises on an N outside 0 .. vocabulary size."""
