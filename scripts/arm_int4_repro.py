@@ -125,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     bad = 0
     for m in M_ROWS:
         a = rng.standard_normal((m, K)).astype(np.float32)
-        refs = {"float": a.astype(np.float64) @ w.T, "per-block": per_block(a, q, scales), "per-row": per_row(a, q, scales)}
+        refs = {
+            "float": a.astype(np.float64) @ w.T,
+            "per-block": per_block(a, q, scales),
+            "per-row": per_row(a, q, scales),
+        }
         for level in (1, 4):
             for kleidiai in (True, False):
                 y = run(model(packed, scales, level), a, kleidiai)
