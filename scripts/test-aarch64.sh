@@ -133,14 +133,18 @@ inroot neoverse-n1 pip install -q --no-deps --no-build-isolation -e /src
 say "making the parity folders on x86"
 PYTHONPATH=$REPO nice -n 10 "$HOSTPY" scripts/aarch64_parity.py make "$SRC/lane-parity" >"$CACHE/parity-make.log" 2>&1 \
     || { cat "$CACHE/parity-make.log"; say "making the parity folders failed"; exit 1; }
+# x86's outputs of the 4-bit MatMulNBits reproduction, which each ARM CPU's must equal on the recipes' kernels
+PYTHONPATH=$REPO "$HOSTPY" scripts/arm_int4_repro.py --save "$SRC/lane-parity/int4_repro_x86.npz"
 
-# 7. per emulated CPU: the torch-free tests, the SME reproduction, and the parity check
+# 7. per emulated CPU: the torch-free tests, the SME and int4 reproductions, and the parity check
 TESTS="tests/test_cpu_facts.py tests/test_arm_lane.py tests/test_trim_columns.py"
 failed=0
 for cpu in $CPUS; do
     say "=== QEMU_CPU=$cpu"
     if ! inroot "$cpu" bash -c "cd /src && nice -n 10 python -m pytest -q -p no:cacheprovider $TESTS \
-            && nice -n 10 python scripts/arm_sme_repro.py && nice -n 10 python scripts/aarch64_parity.py check lane-parity"; then
+            && nice -n 10 python scripts/arm_sme_repro.py \
+            && nice -n 10 python scripts/arm_int4_repro.py --against lane-parity/int4_repro_x86.npz \
+            && nice -n 10 python scripts/aarch64_parity.py check lane-parity"; then
         say "FAILED on $cpu"
         failed=$((failed + 1))
     fi
