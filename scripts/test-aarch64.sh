@@ -3,6 +3,8 @@
 # emulated CPU the torch-free runtime tests and the parity check of folders made on this x86 host.
 #   bash scripts/test-aarch64.sh            build or reuse the root, run the lane
 #   bash scripts/test-aarch64.sh --root     only build the root and its venv (the cold part)
+#   bash scripts/test-aarch64.sh --run CPU CMD...   this tree installed in the root, CMD run in it (in /src) under
+#                                           QEMU_CPU=CPU, e.g. --run neoverse-n1 python scripts/arm_int4_repro.py
 # Cold (no root, no wheels) ~9-11 min; warm (root and wheel cache kept) ~2-5 min. Cached under
 # ${XDG_CACHE_HOME:-~/.cache}/gpt2edge/aarch64-root and aarch64-pip. GPT2EDGE_ARM_CPUS picks the QEMU CPUs.
 # Without root or binfmt_misc it skips with a reason (exit 0); once it can run, any failure fails.
@@ -119,7 +121,7 @@ fi
 # 5. this tree into the root (a copy: pip's build writes into it, and its aarch64 library must not land in the
 # worktree), then the project installed editable over it; the native sparse step builds with the root's gcc
 HOSTPY=${GPT2EDGE_HOST_PYTHON:-$REPO/.venv/bin/python}
-if [ ! -x "$HOSTPY" ]; then
+if [ ! -x "$HOSTPY" ] && [ "${1:-}" != --run ]; then
     [ "${CI:-}" = true ] && { say "error: no host Python at $HOSTPY (scripts/setup.sh makes .venv)"; exit 1; }
     skip "no host Python with torch at $HOSTPY to make the folders (run scripts/setup.sh, or set GPT2EDGE_HOST_PYTHON)"
 fi
@@ -128,19 +130,31 @@ git ls-files -z --cached --others --exclude-standard | grep -zv '^web/' \
     | tar --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -xf - -C "$SRC"
 say "installing gpt2edge into the root (builds the native step under emulation)"
 inroot neoverse-n1 pip install -q --no-deps --no-build-isolation -e /src
+if [ "${1:-}" = --run ]; then
+    [ $# -ge 3 ] || { say "error: --run needs a QEMU CPU and a command"; exit 2; }
+    cpu=$2
+    shift 2
+    say "=== QEMU_CPU=$cpu: $*"
+    inroot "$cpu" bash -c 'cd /src && exec "$@"' run "$@"
+    exit 0
+fi
 
 # 6. the folders, made and run here on x86 (greedy ids and top-2 gaps recorded: scripts/aarch64_parity.py)
 say "making the parity folders on x86"
 PYTHONPATH=$REPO nice -n 10 "$HOSTPY" scripts/aarch64_parity.py make "$SRC/lane-parity" >"$CACHE/parity-make.log" 2>&1 \
     || { cat "$CACHE/parity-make.log"; say "making the parity folders failed"; exit 1; }
+# x86's outputs of the 4-bit MatMulNBits reproduction, which each ARM CPU's must equal on the recipes' kernels
+PYTHONPATH=$REPO "$HOSTPY" scripts/arm_int4_repro.py --save "$SRC/lane-parity/int4_repro_x86.npz"
 
-# 7. per emulated CPU: the torch-free tests, the SME reproduction, and the parity check
+# 7. per emulated CPU: the torch-free tests, the SME and int4 reproductions, and the parity check
 TESTS="tests/test_cpu_facts.py tests/test_arm_lane.py tests/test_trim_columns.py"
 failed=0
 for cpu in $CPUS; do
     say "=== QEMU_CPU=$cpu"
     if ! inroot "$cpu" bash -c "cd /src && nice -n 10 python -m pytest -q -p no:cacheprovider $TESTS \
-            && nice -n 10 python scripts/arm_sme_repro.py && nice -n 10 python scripts/aarch64_parity.py check lane-parity"; then
+            && nice -n 10 python scripts/arm_sme_repro.py \
+            && nice -n 10 python scripts/arm_int4_repro.py --against lane-parity/int4_repro_x86.npz \
+            && nice -n 10 python scripts/aarch64_parity.py check lane-parity"; then
         say "FAILED on $cpu"
         failed=$((failed + 1))
     fi

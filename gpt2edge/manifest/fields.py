@@ -166,3 +166,4 @@ def check_records(top: Fields) -> None:
         recipe = rec.record("recipe", None) if key == "quantization" and rec is not None else None
         if recipe is not None:
             recipe.text("target", None, choices=QUANTIZE_TARGETS, nullable=True)  # absent before --target
+            recipe.flag("kleidiai", None)  # false: sessions keep ONNX Runtime's KleidiAI kernels off (docs/arm.md)

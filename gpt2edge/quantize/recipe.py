@@ -43,6 +43,7 @@ class Recipe:
     int8_op: str = "MatMulNBits"  # int8 layers: weight-only MatMulNBits, or DynamicQuantizeMatMul (u8s8 GEMM)
     pad_unaligned: bool = False  # a default block that does not divide the rows pads them (<= 12.5 %) instead
     int8_op_unaligned: str | None = None  # and int8 layers then use this op (None: int8_op at a smaller block)
+    kleidiai: bool = True  # False: the folder's sessions keep ONNX Runtime's KleidiAI kernels off (targets.py)
 
     @property
     def weight_bits(self) -> int | None:
@@ -106,6 +107,8 @@ class Recipe:
             out.update(fp32_ops=["LayerNormalization", "Softmax", "LogSoftmax", "MLP GELU"], kv_dtype="float16")
         if self.target is not None:
             out["target"] = self.target
+        if not self.kleidiai:  # read back by the runtime (ModelFolder.kleidiai), applied to every session
+            out["kleidiai"] = False
         return out
 
 
@@ -175,4 +178,5 @@ def make_recipe(
         int8_op=int8_op,
         pad_unaligned=pad_unaligned,
         int8_op_unaligned=int8_op_unaligned,
+        kleidiai=tuned is None or tuned.kleidiai,
     )

@@ -145,6 +145,9 @@ class TargetRecipe:
     # bytes) instead of shrinking the block, and int8 layers use this op instead of a smaller 8-bit block
     pad_unaligned: bool = False
     int8_op_unaligned: str | None = None
+    # False: the folder's sessions turn ONNX Runtime's KleidiAI kernels off (mlas.disable_kleidiai), so that MLAS's
+    # own kernels, which quantize activations as x86's do, run it (docs/arm.md, "int4: MLAS's kernels, not KleidiAI")
+    kleidiai: bool = True
 
 
 RECIPES = {
@@ -168,16 +171,23 @@ RECIPES = {
     # there), and int8 layers are DynamicQuantizeMatMul, whose u8s8 GEMM has plain NEON kernels (8-bit
     # MatMulNBits would dequantize B every call)
     "arm64": TargetRecipe(32, False, 128, "DynamicQuantizeMatMul", 1, 8, "inferred from MLAS source: NEON only"),
-    # dotprod: level 4 reaches KleidiAI's qai8dxp x qsi4c32p kernels, which MLAS takes only for blocks that are a
-    # multiple of 32 dividing K, without zero points (UseKleidiAI); block 32 is their native block and
-    # onnxruntime-genai's CPU default. 8-bit MatMulNBits at level 4 has MLAS's UDOT kernel (blocks of 16k)
-    "arm64-dotprod": TargetRecipe(32, True, 128, "MatMulNBits", 4, 8, "inferred from MLAS source: dotprod"),
-    # i8mm: the same choice; KleidiAI picks its i8mm ukernel for prefill (M > 1) itself, and 8-bit MatMulNBits
-    # switches to USDOT: nothing in the folder differs, only the kernels that run it
-    "arm64-i8mm": TargetRecipe(32, True, 128, "MatMulNBits", 4, 8, "inferred from MLAS source: i8mm"),
+    # dotprod: level 4, symmetric blocks of 32 (MLAS's CompInt8 dotprod kernel; onnxruntime-genai's CPU default
+    # block). That layout is also what MLAS hands to KleidiAI's qai8dxp x qsi4c32p kernels (UseKleidiAI: blocks of
+    # 32k dividing K, no zero points), which quantize activations per row and pack B's scales as bf16: their
+    # greedy ids left x86's at a near-tie (scripts/arm_int4_repro.py), so kleidiai=False keeps MLAS's per-block
+    # kernel, x86's scheme, and the ids are x86's. 8-bit MatMulNBits at level 4 has MLAS's UDOT kernel
+    "arm64-dotprod": TargetRecipe(
+        32, True, 128, "MatMulNBits", 4, 8, "inferred from MLAS source: dotprod", kleidiai=False
+    ),
+    # i8mm: the same choice; 8-bit MatMulNBits switches to MLAS's i8mm kernels (sqnbitgemm_kernel_neon_int8_i8mm),
+    # while 4-bit stays on MLAS's dotprod CompInt8 kernel (KleidiAI's i8mm prefill kernel is what kleidiai=False
+    # gives up): nothing in the folder differs, only the kernels that run it
+    "arm64-i8mm": TargetRecipe(32, True, 128, "MatMulNBits", 4, 8, "inferred from MLAS source: i8mm", kleidiai=False),
     # SVE: MLAS uses it for Erf/Logistic/softmax reductions and fp16 GEMM, not for the int8/int4 matmuls, whose
     # kernels here are i8mm's (Graviton 3/4, Neoverse V1/V2 all have i8mm): the i8mm recipe
-    "arm64-sve": TargetRecipe(32, True, 128, "MatMulNBits", 4, 8, "inferred from MLAS source: SVE + i8mm"),
+    "arm64-sve": TargetRecipe(
+        32, True, 128, "MatMulNBits", 4, 8, "inferred from MLAS source: SVE + i8mm", kleidiai=False
+    ),
 }
 
 

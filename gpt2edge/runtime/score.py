@@ -220,7 +220,9 @@ class Scorer:
     def _window_head_all(self, ids: list[int], w: Window) -> list[float]:
         """One forward of the whole window with an empty past; row j of the output predicts token begin+j+1."""
         if self._session is None:
-            session = create_session(self.folder.graph_path, device=self.device, threads=self.threads)
+            session = create_session(
+                self.folder.graph_path, device=self.device, threads=self.threads, kleidiai=self.folder.kleidiai
+            )
             check_head(session, self.folder)  # a manifest claiming head all over a last-head graph
             self._session = session
         T = w.end - w.begin

@@ -112,6 +112,13 @@ class ModelFolder:
     def precision(self) -> str:
         return self.info.graph.precision
 
+    @property
+    def kleidiai(self) -> bool:
+        """False where the quantization recipe keeps ONNX Runtime's KleidiAI kernels off (the arm64-dotprod / -i8mm /
+        -sve recipes: MLAS's own kernels give x86's ids, docs/arm.md); every session of the folder applies it."""
+        recipe = (self.info.raw.get("quantization") or {}).get("recipe") or {}
+        return recipe.get("kleidiai") is not False
+
     def generation_defaults(self) -> dict[str, Any]:
         """generation_config.json of the source checkpoint when the manifest lists it (so it was verified), else {}."""
         if GENERATION_CONFIG not in self.info.files:

@@ -24,17 +24,26 @@ MAX_THREADS = max(os.cpu_count() or 1, 256)
 # transformer folds each cast into an fp32 copy of the weight kept beside the fp16 one (an fp16 gpt2-large session
 # peaked at 4.85 GB for 1.5 GB of fp16 weights). A lean session keeps the casts as runtime ops instead.
 FP16_FOLDING = "FuseFp16InitializerToFp32NodeTransformer"
-# ONNX Runtime's KleidiAI kernels on a CPU with SME: under emulated SME (QEMU `max`) DynamicQuantizeMatMul's
-# SME2 path gave wrong sums where MLAS's own NEON kernels and a NumPy reference agree (scripts/arm_sme_repro.py,
-# docs/arm.md); until real SME hardware says otherwise those CPUs run MLAS's kernels. GPT2EDGE_KLEIDIAI=1 keeps them.
+# ONNX Runtime's KleidiAI kernels (ONNX Runtime's session config key, documented in its
+# onnxruntime_session_options_config_keys.h) are turned off in two cases (docs/arm.md):
+# - a CPU with SME: under emulated SME (QEMU `max`) DynamicQuantizeMatMul's SME2 path gave wrong sums where MLAS's own
+#   NEON kernels and a NumPy reference agree (scripts/arm_sme_repro.py); until real SME hardware says otherwise those
+#   CPUs run MLAS's kernels;
+# - a folder whose recipe records kleidiai: false (arm64-dotprod / -i8mm / -sve): KleidiAI's 4-bit kernels quantize
+#   activations per row where MLAS (x86's and ARM's alike) quantizes per block of 32, and their greedy ids left
+#   x86's (scripts/arm_int4_repro.py); MLAS's kernels give x86's ids.
+# GPT2EDGE_KLEIDIAI=1 keeps KleidiAI on in both cases (faster int4 where its kernels run, ids no longer x86's).
 KLEIDIAI_KEY = "mlas.disable_kleidiai"
 
 
-def kleidiai_off(features: tuple[str, ...] | None = None, env: dict | None = None) -> bool:
-    """Whether sessions turn KleidiAI off: an SME CPU (HWCAP2), unless GPT2EDGE_KLEIDIAI=1 asks for it."""
+def kleidiai_off(features: tuple[str, ...] | None = None, env: dict | None = None, recipe: bool = True) -> bool:
+    """Whether a session turns KleidiAI off: an SME CPU (HWCAP2), or a folder whose recipe keeps it off (`recipe`
+    False), unless GPT2EDGE_KLEIDIAI=1 asks for it."""
     env = os.environ if env is None else env
     if env.get("GPT2EDGE_KLEIDIAI") == "1":
         return False
+    if not recipe:
+        return True
     if features is None:
         features = cpu_facts.this_cpu().features
     return "sme" in features
@@ -123,7 +132,7 @@ def mapped_source(graph: Path, opts: ort.SessionOptions) -> str | bytes:
 
 def create_session(
     graph: Path, device: str = "cpu", threads: int | None = None, model_format: str = "onnx", spin: bool = True,
-    lean: bool = False, precision: str | None = None,
+    lean: bool = False, precision: str | None = None, kleidiai: bool = True,
 ) -> ort.InferenceSession:  # fmt: skip
     """A session on `device` ('cpu' or 'cuda'); raises DeviceError rather than silently falling back.
 
@@ -133,6 +142,7 @@ def create_session(
     lean=True: memory over speed, for one-off runs such as the quality report (lean_options; `precision`, the
     weights' as the manifest says, decides whether prepacking may go; a one-file graph's weights mapped from the
     file, mapped_source); the same graph, values equal up to the GEMMs' rounding (tests/test_scale_memory.py).
+    kleidiai=False: the folder's recipe keeps ONNX Runtime's KleidiAI kernels off (ModelFolder.kleidiai, kleidiai_off).
     """
     if device not in PROVIDERS:
         raise DeviceError(f"Unknown device '{device}'; choose one of {', '.join(PROVIDERS)}.")
@@ -149,7 +159,7 @@ def create_session(
     if threads:
         opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1  # one graph at a time: parallelism lives inside the matmuls
-    if device == "cpu" and kleidiai_off():
+    if device == "cpu" and kleidiai_off(recipe=kleidiai):
         opts.add_session_config_entry(KLEIDIAI_KEY, "1")
     if device == "cpu":  # errors only (they become one-line errors here); CUDA keeps its log (why it fell back)
         opts.log_severity_level = 3

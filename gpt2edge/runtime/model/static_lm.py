@@ -38,6 +38,7 @@ class StaticGraph:
     ) -> None:
         self.folder, self.device = folder, device
         lean_args = {"lean": lean, "precision": folder.precision if folder is not None else None}
+        lean_args["kleidiai"] = folder is None or folder.kleidiai  # the recipe's kernels (ort_session.kleidiai_off)
         self.prefill = create_session(prefill, device=device, threads=threads, **lean_args)
         same = decode is None or Path(decode) == Path(prefill)
         self.decode = self.prefill if same else create_session(decode, device=device, threads=threads, **lean_args)

@@ -87,7 +87,9 @@ class ApproxGraph(BodyGraph):
         self.folder, self.body, self.device = folder, body, device
         self.rec = ApproxHeadInfo.of(folder.info, str(folder.path / "manifest.json"))
         self.head_path = resolve_inside(folder.path, self.rec.head_file)
-        self.head_session = create_session(self.head_path, device=device, threads=threads, spin=spin)
+        self.head_session = create_session(
+            self.head_path, device=device, threads=threads, spin=spin, kleidiai=folder.kleidiai
+        )
         self.run_options = quiet_run_options()
         d = folder.dims
         ins, outs = self.head_session.get_inputs(), self.head_session.get_outputs()

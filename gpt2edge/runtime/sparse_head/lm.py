@@ -90,9 +90,11 @@ class SparseGraph(BodyGraph):
             )
         self.head_path = resolve_inside(folder.path, rec.head_file)
         # one thread, on the caller's: a second pool spinning beside the body's would take its cores (2x slower)
-        self.head = create_session(self.head_path, device=device, threads=1 if device == "cpu" else threads)
+        self.head = create_session(
+            self.head_path, device=device, threads=1 if device == "cpu" else threads, kleidiai=folder.kleidiai
+        )
         self.bound_path = resolve_inside(folder.path, rec.bound_file)
-        self.bound = create_session(self.bound_path, device=device, threads=1)
+        self.bound = create_session(self.bound_path, device=device, threads=1, kleidiai=folder.kleidiai)
         self.run_options = quiet_run_options()
         d = folder.dims
         self.table_path = resolve_inside(folder.path, rec.table_file)
