@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import gpt2edge.runtime.decoding.generate as generate_module
+import gpt2edge.runtime.decoding.row_decoder as row_decoder_module
 from gpt2edge.cli import main
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime import Generator
@@ -88,7 +88,7 @@ def test_zero_means_the_chosen_token_only_and_vocab_size_means_all(gen):
 def test_a_row_that_ends_early_has_one_record_per_token(gen, monkeypatch):
     """EOS at step 2 in row 0: its records stop there, including the EOS token's own log-prob."""
     eos = gen.eos_token_id[0]
-    real = generate_module.next_tokens
+    real = row_decoder_module.next_tokens
 
     def scripted(scores, params, seen, n_generated, rng, columns=None, allowed=None):
         tokens = real(scores, params, seen, n_generated, rng, columns)
@@ -96,7 +96,7 @@ def test_a_row_that_ends_early_has_one_record_per_token(gen, monkeypatch):
             tokens[0] = eos
         return tokens
 
-    monkeypatch.setattr(generate_module, "next_tokens", scripted)
+    monkeypatch.setattr(row_decoder_module, "next_tokens", scripted)
     rs = gen.generate(["The river rose", "A"], max_new_tokens=6, logprobs=1, do_sample=False)
     assert rs[0].finish_reason == "eos" and rs[0].token_ids[-1] == eos and len(rs[0].logprobs) == 3
     assert rs[0].logprobs[-1].token == "<|endoftext|>" and rs[0].logprobs[-1].logprob < 0

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import gpt2edge.runtime.decoding.generate as generate_module
+import gpt2edge.runtime.decoding.row_decoder as row_decoder_module
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.model.tokenizer import StreamDecoder, TextTokenizer
 
@@ -45,7 +46,7 @@ def script(gen, monkeypatch):
         def scripted(scores, params, seen, n_generated, rng, columns=None, allowed=None):
             return np.full(len(scores), ids[n_generated], dtype=np.int64)
 
-        monkeypatch.setattr(generate_module, "next_tokens", scripted)
+        monkeypatch.setattr(row_decoder_module, "next_tokens", scripted)
         return ids
 
     return install

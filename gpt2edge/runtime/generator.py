@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gpt2edge.api_args import path_arg, prompts_arg, text_arg
+from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.call_params import as_tuple, merged_values, stop_strings
-from gpt2edge.runtime.constraints import Constraint, compile_for
 from gpt2edge.runtime.conversation import ContextOverflow, Conversation
 from gpt2edge.runtime.decoding.beam import (
     BeamState,
-    SearchParams,
     check_one_sequence,
-    check_search,
     iter_beam_search,
-    search_params,
 )
 from gpt2edge.runtime.decoding.expand import iter_generate_expanded
 from gpt2edge.runtime.decoding.generate import GenerationState, Step, iter_generate, length_error
@@ -32,30 +27,9 @@ from gpt2edge.runtime.model.lm import load_graph
 from gpt2edge.runtime.model.memory_plan import check_generation_memory, check_session_memory
 from gpt2edge.runtime.model.pool import LMPool, check_max_contexts
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
+from gpt2edge.runtime.request import GenerationRequest, resolve, resolved
 from gpt2edge.runtime.results import GenerationResult, results_of
 from gpt2edge.runtime.speculative.speculator import SpecState, Speculator
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One generate() / stream() call resolved once (Generator.request): its prompts as token ids (checked to fit),
-    its SamplingParams, search mode and compiled constraint. Built only by Generator.request."""
-
-    prompts: tuple[tuple[int, ...], ...]
-    single: bool  # one prompt given as a string: generate() returns one result, not a list
-    params: SamplingParams
-    search: SearchParams
-    constraint: Any  # a CompiledConstraint, or None
-    logprobs: int | None
-
-
-def _no_options(**given: Any) -> None:
-    """A GenerationRequest carries its options: a call that also passes one would silently lose it."""
-    defaults = {"truncate": False, "ignore_eos": False, "stop": (), "folder_defaults": True}
-    named = [k for k, v in given.items() if v != defaults.get(k)]
-    if named:
-        raise GenerationError(f"A GenerationRequest carries its options; pass {', '.join(named)} to "
-                              "Generator.request() instead.")  # fmt: skip
 
 
 class Generator:
@@ -171,97 +145,31 @@ class Generator:
         check_generation_memory(self.folder, ids, params.max_new_tokens, rows, logprobs=logprobs)
         return ids
 
-    def request(
-        self,
-        prompt: str | Sequence[str],
-        *,
-        truncate: bool = False,
-        ignore_eos: bool = False,
-        stop: str | Sequence[str] | None = (),
-        seed: int | None = None,
-        logprobs: int | None = None,
-        num_beams: int | None = None,
-        num_return_sequences: int | None = None,
-        length_penalty: float | None = None,
-        early_stopping: bool | str | None = None,
-        folder_defaults: bool = True,
-        constraint: Constraint | None = None,
-        **sampling: Any,
-    ) -> GenerationRequest:
-        """Resolve a call once: merge and check its parameters, the search mode and the constraint, encode each
-        prompt (and check it fits the positions and the rows the memory), before any model work. generate() and
-        stream() take the result as their prompt (the CLI checks every prompt this way before the first runs);
-        the keywords are generate()'s."""
-        params = self.sampling_params(
-            ignore_eos=ignore_eos, stop=stop, seed=seed, folder_defaults=folder_defaults, **sampling
-        )
-        search = search_params(
-            self._defaults(folder_defaults), num_beams=num_beams, num_return_sequences=num_return_sequences,
-            length_penalty=length_penalty, early_stopping=early_stopping,
-        )  # fmt: skip
-        check_search(search, params)
-        batch, single = prompts_arg(prompt)  # a str, or a list of them (TypeError otherwise)
-        compiled = compile_for(self, constraint)
-        check_logprobs(logprobs, self.graph.vocab_size)
-        rows = 1
-        if search.expands:
-            if self.speculator is not None:
-                raise GenerationError(
-                    "Speculative decoding (a draft or prompt lookup) decodes one sequence per prompt; drop "
-                    "num_beams / num_return_sequences, or use a Generator without draft."
-                )
-            if logprobs is not None:
-                raise GenerationError("logprobs is recorded for one sequence per prompt; drop num_beams or "
-                                      "num_return_sequences, or logprobs.")  # fmt: skip
-            if self.folder.kv_cache == "static":  # fixed rows: no beam rows to expand or reorder
-                raise GenerationError(
-                    f"{self.folder.path} is a static-shape export (fixed batch and cache); beam search and "
-                    "num_return_sequences need a dynamic export (without --static)."
-                )
-            rows = max(search.num_beams, search.num_return_sequences)
-        encoded = self._encode(batch, truncate, params, rows, logprobs=logprobs)
-        return GenerationRequest(tuple(map(tuple, encoded)), single, params, search, compiled, logprobs)
+    def request(self, prompt: str | Sequence[str], **options: Any) -> GenerationRequest:
+        """Resolve a generate() call once, before any model work: its parameters, search mode and constraint
+        merged and checked, each prompt encoded and checked to fit the positions and the memory
+        (gpt2edge.runtime.request.resolve: the keywords). generate() and stream() take the result as it is."""
+        return resolve(self, prompt, **options)
 
     def generate(
         self,
         prompt: str | Sequence[str] | GenerationRequest,
         *,
-        truncate: bool = False,
         callback: Callable[[Step], None] | None = None,
-        ignore_eos: bool = False,
-        stop: str | Sequence[str] | None = (),
-        seed: int | None = None,
-        logprobs: int | None = None,
-        num_beams: int | None = None,
-        num_return_sequences: int | None = None,
-        length_penalty: float | None = None,
-        early_stopping: bool | str | None = None,
-        folder_defaults: bool = True,
-        constraint: Constraint | None = None,
-        **sampling: Any,
+        **options: Any,
     ) -> GenerationResult | list[GenerationResult] | list[list[GenerationResult]]:
         """Generate for one prompt (returns a result) or a list of prompts (a left-padded batch; a list).
-        Thread-safe (see the class docstring). `stop`: a string or a list of strings. `logprobs=N`: record each
-        generated token's log-prob and the N most likely alternatives (result.logprobs; N = 0: the token's only).
-        folder_defaults=False: transformers' defaults and the call's values only, not generation_config.json's.
+        Thread-safe (see the class docstring). options: truncate, ignore_eos, stop (a string or a list), seed,
+        logprobs=N (each generated token's log-prob and the N most likely alternatives: result.logprobs),
+        num_beams, num_return_sequences, length_penalty, early_stopping, folder_defaults (False: transformers'
+        defaults and the call's values only, not generation_config.json's), constraint (docs/structured.md:
+        one matcher per row) and SamplingParams' knobs (gpt2edge.runtime.request.resolve).
 
         With num_return_sequences > 1 each prompt gets a list of results instead (best beam first), so a
         prompt gives a list and a list of prompts a list of lists. num_beams > 1 is beam search (results
         carry sequence_score); num_return_sequences > 1 without it samples, prefilling each prompt once.
-        constraint: the text must match it (docs/structured.md); each row (sequence) has its own matcher.
         prompt may be a GenerationRequest (Generator.request: resolved once); it carries every option then."""
-        if isinstance(prompt, GenerationRequest):
-            _no_options(truncate=truncate, ignore_eos=ignore_eos, stop=stop, seed=seed, logprobs=logprobs,
-                        num_beams=num_beams, num_return_sequences=num_return_sequences, length_penalty=length_penalty,
-                        early_stopping=early_stopping, folder_defaults=folder_defaults, constraint=constraint,
-                        **sampling)  # fmt: skip
-            req = prompt
-        else:
-            req = self.request(
-                prompt, truncate=truncate, ignore_eos=ignore_eos, stop=stop, seed=seed, logprobs=logprobs,
-                num_beams=num_beams, num_return_sequences=num_return_sequences, length_penalty=length_penalty,
-                early_stopping=early_stopping, folder_defaults=folder_defaults, constraint=constraint, **sampling,
-            )  # fmt: skip
+        req = resolved(self, prompt, options)
         prompts = [list(p) for p in req.prompts]
         if req.search.expands:
             groups = self._generate_many(prompts, callback, req)
@@ -309,41 +217,21 @@ class Generator:
         n = search.num_return_sequences
         return [results[i : i + n] for i in range(0, len(results), n)]
 
-    def stream(
-        self,
-        prompt: str | GenerationRequest,
-        *,
-        truncate: bool = False,
-        ignore_eos: bool = False,
-        stop: str | Sequence[str] | None = (),
-        seed: int | None = None,
-        result: list | None = None,
-        logprobs: int | None = None,
-        num_beams: int | None = None,
-        num_return_sequences: int | None = None,
-        constraint: Constraint | None = None,
-        **sampling: Any,
-    ) -> Iterator[str]:
+    def stream(self, prompt: str | GenerationRequest, *, result: list | None = None, **options: Any) -> Iterator[str]:
         """Yield text pieces as they are decoded; never half a character, never part of a stop string. Pass
         `result=[]` to receive the GenerationResult (appended when the stream ends); its text is exactly the
         concatenated pieces. Bad parameters raise here, before the first piece. Streams of one Generator may
         be interleaved with each other and with generate() calls, in one thread or several: each holds its own
         KV cache from its first piece until it is exhausted or closed. A stream is one sequence: beam search or
         several sequences (asked for here or by generation_config.json) raise; num_beams=1 streams one anyway.
-        prompt may be a GenerationRequest of one prompt and one sequence (Generator.request)."""
-        if isinstance(prompt, GenerationRequest):
-            _no_options(truncate=truncate, ignore_eos=ignore_eos, stop=stop, seed=seed, logprobs=logprobs,
-                        num_beams=num_beams, num_return_sequences=num_return_sequences, constraint=constraint,
-                        **sampling)  # fmt: skip
-            if not prompt.single or prompt.search.expands:
-                raise GenerationError("stream() takes a request of one prompt and one sequence.")
-            req = prompt
-        else:
-            counts = dict(num_beams=num_beams, num_return_sequences=num_return_sequences)
+        options: generate()'s; prompt may be a GenerationRequest of one prompt and one sequence."""
+        if not isinstance(prompt, GenerationRequest):
+            counts = {k: options.get(k) for k in ("num_beams", "num_return_sequences")}
             check_one_sequence(self.defaults, "stream()", **counts)
-            req = self.request(text_arg(prompt, "prompt"), truncate=truncate, ignore_eos=ignore_eos, stop=stop,
-                               seed=seed, logprobs=logprobs, num_beams=1, num_return_sequences=1,
-                               constraint=constraint, **sampling)  # fmt: skip
+            prompt, options = text_arg(prompt, "prompt"), {**options, "num_beams": 1, "num_return_sequences": 1}
+        req = resolved(self, prompt, options)
+        if not req.single or req.search.expands:
+            raise GenerationError("stream() takes a request of one prompt and one sequence.")
         recorder = self.logprob_recorder(req.logprobs, 1)
         state = self._state([list(p) for p in req.prompts], req.params, recorder, req.constraint)
         return self._stream_pieces(state, result)

@@ -153,11 +153,10 @@ class RowGroup:
         left-padded batch is fed a pad): that keeps the draw order of a call whatever the batch holds."""
         R, step = len(self.rows), self.step
         self.step += 1
-        if where is None and self._plain_greedy():  # nothing to process: each row's argmax (no RNG draw)
-            return greedy_tokens(logprobs, self.columns)
-        where = list(range(R)) if where is None else list(where)
+        whole = where is None
+        where = list(range(R)) if whole else list(where)
         present = np.array([j is not None for j in where])
-        if self._plain_greedy():
+        if not whole and self._plain_greedy():  # nothing to process: each row's argmax, no batch of scores built
             out = np.full(R, -1, dtype=np.int64)
             out[present] = [greedy_tokens(logprobs[j : j + 1], self.columns)[0] for j in where if j is not None]
             return out

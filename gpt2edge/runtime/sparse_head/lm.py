@@ -9,9 +9,8 @@ The body graph (an OrtGraph returning `hidden`) runs the blocks; the head runs h
   3. every row with ub_i >= L - slack gets its exact logit; the rest provably score below the k-th best;
   4. certified when the k-th and (k+1)-th best exact logits differ by more than TIE (exact.py), else that
      row falls back to the full head (the parent's head graph) and the fallback is counted.
-The result row holds the exact logits of the rows read (shifted so the best is 0) and -inf elsewhere: the same
-greedy token and the same top-k distribution as the full head's log-probs. Calls that need more (sparse_k says
-which) run the full head every step: their log-probs are the parent's, bit for bit.
+The result row holds the exact logits of the rows read (the best at 0, -inf elsewhere): the full head's greedy token
+and top-k distribution. Calls that need more (sparse_k says which) run the full head: the parent's log-probs.
 """
 
 from __future__ import annotations
@@ -90,11 +89,10 @@ class SparseGraph(BodyGraph):
             )
         self.head_path = resolve_inside(folder.path, rec.head_file)
         # one thread, on the caller's: a second pool spinning beside the body's would take its cores (2x slower)
-        self.head = create_session(
-            self.head_path, device=device, threads=1 if device == "cpu" else threads, kleidiai=folder.kleidiai
-        )
+        kw = dict(device=device, kleidiai=folder.kleidiai)
+        self.head = create_session(self.head_path, threads=1 if device == "cpu" else threads, **kw)
         self.bound_path = resolve_inside(folder.path, rec.bound_file)
-        self.bound = create_session(self.bound_path, device=device, threads=1, kleidiai=folder.kleidiai)
+        self.bound = create_session(self.bound_path, threads=1, **kw)
         self.run_options = quiet_run_options()
         d = folder.dims
         self.table_path = resolve_inside(folder.path, rec.table_file)
