@@ -146,7 +146,8 @@ export function ebnfLiteral(s) {
 
 // xgrammar 0.1.27's JSON grammar, rule by rule as llguidance reads JSON (compact): the built-in rules for
 // values the schema leaves open (any JSON in a free object or array) use its default ", " separator whatever
-// the separators asked for; its strings take DEL (U+007F), which llguidance's refuse; its escapes take "\/",
+// the separators asked for; its strings take DEL (U+007F) and, with a length bound, control characters, which
+// llguidance's refuse; its escapes take "\/",
 // which llguidance's do not; its integers refuse "-0", which llguidance's take.
 const JSON_RULES = [
   ['basic_array ::= (("[" "" basic_any (", " basic_any)* "" "]")', 'basic_array ::= (("[" "" basic_any ("," basic_any)* "" "]")'],
@@ -154,6 +155,7 @@ const JSON_RULES = [
   ['[^\\0-\\x1f\\"\\\\\\r\\n]', '[^\\0-\\x1f\\x7f\\"\\\\]'],
   ['basic_escape ::= ["\\\\/bfnrt]', 'basic_escape ::= ["\\\\bfnrt]'],
   ['basic_integer ::= ("0" | "-"? [1-9] [0-9]*)', 'basic_integer ::= ("-"? ("0" | [1-9] [0-9]*))'],
+  ['"\\"" [^"\\\\\\r\\n]{', '"\\"" [^\\0-\\x1f\\x7f"\\\\]{'], // a string with minLength / maxLength
 ];
 
 /** xgrammar's EBNF for a JSON Schema with JSON_RULES applied (another xgrammar that spells a rule otherwise
@@ -161,6 +163,40 @@ const JSON_RULES = [
 export function llguidanceJSON(ebnf) {
   for (const [from, to] of JSON_RULES) ebnf = ebnf.replaceAll(from, to);
   return ebnf;
+}
+
+export const MAX_ENUM_RANGE = 4096;
+
+/** A JSON Schema with xgrammar 0.1.27's wrong numeric bounds kept out: its range rules take too much (0..150
+ * takes 151..159; a number of at most 1 takes 1.5). An integer bounded on both sides with at most
+ * MAX_ENUM_RANGE values becomes the enum of those values (the same language); an upper bound on a wider
+ * integer, or any bound on a number, is refused in one line. Lower bounds alone compile right and stay. */
+export function boundedIntegersAsEnums(schema) {
+  const walk = (node) => {
+    if (Array.isArray(node)) return node.map(walk);
+    if (node === null || typeof node !== "object") return node;
+    const out = {};
+    for (const [k, v] of Object.entries(node)) out[k] = walk(v);
+    const bounds = ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"].filter((k) => typeof out[k] === "number");
+    if (!bounds.length || (out.type !== "integer" && out.type !== "number")) return out;
+    const upper = bounds.some((k) => k.endsWith("aximum"));
+    if (out.type === "number" || upper) {
+      let lo = Math.max(out.minimum ?? -Infinity, (out.exclusiveMinimum ?? -Infinity) + 1);
+      let hi = Math.min(out.maximum ?? Infinity, (out.exclusiveMaximum ?? Infinity) - 1);
+      lo = Math.ceil(lo);
+      hi = Math.floor(hi);
+      if (out.type === "integer" && Number.isFinite(lo) && Number.isFinite(hi) && hi - lo < MAX_ENUM_RANGE) {
+        const rest = Object.fromEntries(Object.entries(out).filter(([k]) => k !== "type" && !bounds.includes(k)));
+        const values = [];
+        for (let x = lo; x <= hi; x++) values.push(x);
+        if (!values.length) throw new ConstraintError(`The JSON Schema's integer range [${out.minimum ?? out.exclusiveMinimum}, ${out.maximum ?? out.exclusiveMaximum}] is empty.`);
+        return { ...rest, enum: values };
+      }
+      throw new ConstraintError(`The browser's constraint engine (xgrammar 0.1.27) bounds numbers wrongly: ${bounds.join("/")} on a ${out.type === "number" ? "number" : `range of more than ${MAX_ENUM_RANGE} integers`} is not taken in the page; use an integer range of at most ${MAX_ENUM_RANGE} values, or the Python runtime.`);
+    }
+    return out;
+  };
+  return walk(schema);
 }
 
 /** GPT-2's byte-level alphabet: the character that stands for each byte in tokenizer.json. */
@@ -285,7 +321,8 @@ export class ConstraintEngine {
     switch (c.kind) {
       case "json_schema":
       case "json_object": {
-        const ebnf = await this.xg.Testings._jsonSchemaToEBNF(c.text, o.anyWhitespace, o.indent, o.separators, o.strictMode);
+        const schema = JSON.stringify(boundedIntegersAsEnums(JSON.parse(c.text)));
+        const ebnf = await this.xg.Testings._jsonSchemaToEBNF(schema, o.anyWhitespace, o.indent, o.separators, o.strictMode);
         return this.compiler.compileGrammar(llguidanceJSON(ebnf));
       }
       case "regex":
