@@ -2,10 +2,10 @@
 `gpt2edge convert --format web` works from a pip install, not only from a source checkout.
 
 What is copied is what gpt2edge/convert/web.py copies into a web folder (its PAGE, RUNTIME_FILES, ORT_FILES,
-TOKENIZERS_FILES and XGRAMMAR_FILES, read from that file, so the lists cannot drift), plus the npm packages' package.json
-(their versions go into the folder's manifest) and licenses. The npm packages are the ones web/package-lock.json
-pins: when web/node_modules lacks them, or holds other versions, `npm ci` installs them first (no CDN).
-Everything else is in pyproject.toml.
+TOKENIZERS_FILES and XGRAMMAR_FILES, read from that file, so the lists cannot drift), plus the npm packages'
+package.json (their versions go into the folder's manifest) and licenses. The npm packages are the ones
+web/package-lock.json pins: when web/node_modules lacks them, or holds other versions, `npm ci` installs them
+first (no CDN). Everything else is in pyproject.toml.
 """
 
 from __future__ import annotations
