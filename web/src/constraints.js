@@ -147,13 +147,16 @@ export function ebnfLiteral(s) {
 // xgrammar 0.1.27's JSON grammar, rule by rule as llguidance reads JSON (compact): the built-in rules for
 // values the schema leaves open (any JSON in a free object or array) use its default ", " separator whatever
 // the separators asked for; its strings take DEL (U+007F) and, with a length bound, control characters, which
-// llguidance's refuse; its escapes take "\/",
-// which llguidance's do not; its integers refuse "-0", which llguidance's take.
+// llguidance's refuse; its escapes take "\/" and any "\uXXXX", where llguidance 1.9 takes "\u" only for what
+// cannot be written as it is (U+0000-U+001F, U+007F); its integers refuse "-0", which llguidance's take.
 const JSON_RULES = [
   ['basic_array ::= (("[" "" basic_any (", " basic_any)* "" "]")', 'basic_array ::= (("[" "" basic_any ("," basic_any)* "" "]")'],
   ['(", " basic_string ":" basic_any)*', '("," basic_string ":" basic_any)*'],
   ['[^\\0-\\x1f\\"\\\\\\r\\n]', '[^\\0-\\x1f\\x7f\\"\\\\]'],
-  ['basic_escape ::= ["\\\\/bfnrt]', 'basic_escape ::= ["\\\\bfnrt]'],
+  [
+    'basic_escape ::= ["\\\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]',
+    'basic_escape ::= ["\\\\bfnrt] | "u" "00" ([01] [A-Fa-f0-9] | "7" [Ff])',
+  ],
   ['basic_integer ::= ("0" | "-"? [1-9] [0-9]*)', 'basic_integer ::= ("-"? ("0" | [1-9] [0-9]*))'],
   ['"\\"" [^"\\\\\\r\\n]{', '"\\"" [^\\0-\\x1f\\x7f"\\\\]{'], // a string with minLength / maxLength
 ];
@@ -411,6 +414,12 @@ export class RowMatcher {
     const accepts = this.acceptsEos ? 1 : 0;
     for (const t of eosIds) if (t < vocabSize) out[t] = accepts;
     return out;
+  }
+
+  /** The text the grammar forces next ("" when the next token is free): where llguidance, which tokenizes forced
+   * text canonically, allows fewer tokens than xgrammar (docs/structured.md). */
+  forcedText() {
+    return this.m.findJumpForwardString();
   }
 
   /** Consume a generated token (not an end token) and compute the next state's mask. */

@@ -3,7 +3,8 @@
 // and after the last (end tokens as the runtime allows them).
 //   node test/masks.mjs IN.json OUT.json
 //   IN: {"tokenizer": path to tokenizer.json, "vocab_size", "eos": [ids], "cases": [{"kind", "text", "ids"}]}
-//   OUT: {"cases": [{"steps": [[allowed ids], ...], "done", "compile_ms"} | {"error": "..."}], "mask_ms"}
+//   OUT: {"cases": [{"steps": [[allowed ids], ...], "forced": [text], "done", "compile_ms"} | {"error": "..."}],
+//         "mask_ms": mean ms of advance() (accept the token, compute the next mask)}
 import { readFileSync, writeFileSync } from "node:fs";
 
 import "./xgrammar-node.mjs";
@@ -19,7 +20,9 @@ for (const c of job.cases) {
     const compiled = await engine.compile(new Constraint(c.kind, c.text));
     const m = await compiled.matcher();
     const steps = [];
+    const forced = [];
     for (let i = 0; i <= c.ids.length; i++) {
+      forced.push(m.forcedText());
       const a = m.allowed(job.eos);
       const ids = [];
       for (let t = 0; t < a.length; t++) if (a[t]) ids.push(t);
@@ -31,7 +34,7 @@ for (const c of job.cases) {
         masks++;
       }
     }
-    out.push({ steps, done: m.done, compile_ms: compiled.compileMs });
+    out.push({ steps, forced, done: m.done, compile_ms: compiled.compileMs });
     m.dispose();
   } catch (e) {
     out.push({ error: `${e.name}: ${e.message}` });
