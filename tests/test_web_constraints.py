@@ -64,8 +64,15 @@ NESTED = {
     "type": "object",
     "properties": {
         "id": {"type": "integer"},
-        "items": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}},
-                                             "required": ["k"], "additionalProperties": False}},  # fmt: skip
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"k": {"type": "string"}},
+                "required": ["k"],
+                "additionalProperties": False,
+            },
+        },
         "extra": {"type": "object"},
     },
     "required": ["id"],
@@ -78,9 +85,18 @@ CASES = [
     ("json_schema", json.dumps(PERSON), '{"name":"Bo","age":41,"score":-1.5e3,"kind":null}'),
     ("json_schema", json.dumps(NESTED), '{"id":7,"items":[{"k":"x"},{"k":""}],"extra":{"a":[1,{"b":null}]}}'),
     ("json_schema", json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 4}), "[1,22,333]"),
-    ("json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
-                                "maximum": 150}}, "required": ["n"], "additionalProperties": False}),  # fmt: skip
-     '{"n":149}'),
+    (
+        "json_schema",
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 150}},
+                "required": ["n"],
+                "additionalProperties": False,
+            }
+        ),
+        '{"n":149}',
+    ),
     ("json_object", '{"type": "object"}', '{"k":[1,2.5,true,null],"s":"x y","o":{}}'),
     ("regex", "[0-9]{4}-[0-9]{2}-[0-9]{2}", "2024-01-31"),
     ("regex", "(yes|no|maybe)[.!]?", "maybe!"),
@@ -90,8 +106,11 @@ CASES = [
     ("gbnf", GBNF, "12+(345-6)"),
 ]
 # a free object (no additionalProperties: false): xgrammar lets a free key repeat a declared one
-LENIENT = ("json_schema", json.dumps({k: v for k, v in PERSON.items() if k != "additionalProperties"}),
-           '{"name":"x","age":1,"tags')  # fmt: skip
+LENIENT = (
+    "json_schema",
+    json.dumps({k: v for k, v in PERSON.items() if k != "additionalProperties"}),
+    '{"name":"x","age":1,"tags',
+)
 
 
 def _no_forcing(kind: str, text: str) -> Constraint:
@@ -126,8 +145,9 @@ def tokenizer_json(tiny_checkpoint, tmp_path_factory) -> Path:
         return tiny_checkpoint / "tokenizer.json"
     from gpt2edge.export import make_random_checkpoint
 
-    ckpt = make_random_checkpoint(tmp_path_factory.mktemp("gpt2tok") / "ckpt", size="tiny", seed=0,
-                                  tokenizer_dir=str(GPT2_TOKENIZER))  # fmt: skip
+    ckpt = make_random_checkpoint(
+        tmp_path_factory.mktemp("gpt2tok") / "ckpt", size="tiny", seed=0, tokenizer_dir=str(GPT2_TOKENIZER)
+    )
     return ckpt / "tokenizer.json"
 
 
@@ -139,11 +159,20 @@ def masks(tokenizer_json, tmp_path_factory):
     cases = [*CASES, LENIENT]
     ids = [tok.encode(prefix) for _, _, prefix in cases]
     tmp = tmp_path_factory.mktemp("masks")
-    job = {"tokenizer": str(tokenizer_json), "vocab_size": VOCAB, "eos": eos,
-           "cases": [{"kind": k, "text": t, "ids": i} for (k, t, _), i in zip(cases, ids)]}  # fmt: skip
+    job = {
+        "tokenizer": str(tokenizer_json),
+        "vocab_size": VOCAB,
+        "eos": eos,
+        "cases": [{"kind": k, "text": t, "ids": i} for (k, t, _), i in zip(cases, ids)],
+    }
     (tmp / "in.json").write_text(json.dumps(job))
-    proc = subprocess.run(["node", "test/masks.mjs", str(tmp / "in.json"), str(tmp / "out.json")], cwd=WEB,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        ["node", "test/masks.mjs", str(tmp / "in.json"), str(tmp / "out.json")],
+        cwd=WEB,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     js = json.loads((tmp / "out.json").read_text())["cases"]
     out = {}
@@ -219,13 +248,26 @@ def test_xgrammar_lets_a_free_key_repeat_a_declared_one(masks):
 # ---- outputs in Chromium ----------------------------------------------------------------------------------------
 
 BROWSER_SCHEMAS = {
-    "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-               "age": {"type": "integer", "minimum": 0, "maximum": 120}, "ok": {"type": "boolean"}},
-               "required": ["name", "age", "ok"], "additionalProperties": False},  # fmt: skip
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "age", "ok"],
+        "additionalProperties": False,
+    },
     "list": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 4},
-    "kv": {"type": "object", "properties": {"k": {"enum": ["x", "y"]}, "v": {"type": "array", "maxItems": 2,
-           "items": {"type": "integer", "minimum": 0, "maximum": 9}}}, "required": ["k", "v"],
-           "additionalProperties": False},  # fmt: skip
+    "kv": {
+        "type": "object",
+        "properties": {
+            "k": {"enum": ["x", "y"]},
+            "v": {"type": "array", "maxItems": 2, "items": {"type": "integer", "minimum": 0, "maximum": 9}},
+        },
+        "required": ["k", "v"],
+        "additionalProperties": False,
+    },
 }
 REGEX = "[0-9]{3}-[a-z]{2,4}"
 CHOICES = ["alpha", "beta", " gamma ray"]
@@ -259,8 +301,18 @@ def pages(web_folder):
         urls = []
         for key, c in jobs.items():
             seed = int(key.rsplit("-", 1)[1]) if key[-1].isdigit() else 0
-            urls.append(job_url(f"{server.url}tiny/", f"/report/{key}", "Data:", max_new_tokens=48, temperature=1.0,
-                                top_k=0, seed=seed, **c))  # fmt: skip
+            urls.append(
+                job_url(
+                    f"{server.url}tiny/",
+                    f"/report/{key}",
+                    "Data:",
+                    max_new_tokens=48,
+                    temperature=1.0,
+                    top_k=0,
+                    seed=seed,
+                    **c,
+                )
+            )
         results = run_browser(urls, timeout_s=120)
         reports = {k: server.reports.get(f"/report/{k}", [None])[0] for k in jobs}
     assert all(p["done"] for p in results), [p for p in results if not p["done"]]
