@@ -356,3 +356,14 @@ def test_page_bad_constraints_are_one_line(pages):
     assert "not valid JSON" in pages["bad-schema"]["error"]
     assert "Give one constraint" in pages["bad-two"]["error"]
     assert all("\n" not in pages[k]["error"] for k in ("bad-lark", "bad-schema", "bad-two"))
+
+
+@needs_browser
+def test_page_form_takes_a_constraint(web_folder):
+    """As a user does: pick "choice" in the Structured output fieldset, type the choices, click Generate."""
+    form = {"prompt": "Pick:", "max_new_tokens": 16, "temperature": 0.9, "seed": 3,
+            "constraint_kind": "choice", "constraint_text": "north\nsouth west"}  # fmt: skip
+    with StaticServer(web_folder) as server:
+        (page,) = run_browser([f"{server.url}tiny/index.html"], timeout_s=120, form=form)
+    assert page["done"] and page["state"]["error"] is None, page
+    assert page["state"]["output"] in ("north", "south west")
