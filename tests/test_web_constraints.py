@@ -245,6 +245,18 @@ def test_xgrammar_lets_a_free_key_repeat_a_declared_one(masks):
     assert any(e.startswith('":') and not e.startswith('":[') for e in extra), extra[:20]
 
 
+@needs_node
+def test_generator_with_constraints_in_node(tokenizer_json):
+    """web/test/constraints.test.mjs: WebGenerator's constrained loop on a random stand-in model (outputs valid,
+    end token only where accepted, finish stop / length, one-line refusals, the compile cache); none skipped."""
+    env = {**os.environ, "TOKENIZER": str(tokenizer_json)}
+    proc = subprocess.run(
+        ["node", "--test", "test/constraints.test.mjs"], cwd=WEB, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "# pass 6" in proc.stdout and "# skipped 0" in proc.stdout
+
+
 # ---- outputs in Chromium ----------------------------------------------------------------------------------------
 
 BROWSER_SCHEMAS = {
