@@ -270,7 +270,8 @@ function firstLine(e) {
 export class ConstraintEngine {
   constructor(xg, info, compiler, vocabSize, vocabulary, eos) {
     Object.assign(this, { xg, info, compiler, vocabSize, tokenizerSize: vocabulary.length, eos: [...eos] });
-    this.invalid = invalidUtf8Tokens(vocabulary);
+    const invalid = invalidUtf8Tokens(vocabulary);
+    this.invalidIds = Int32Array.from(invalid.keys()).filter((i) => invalid[i] && i < vocabSize);
     this.cache = new Map();
   }
 
@@ -406,10 +407,26 @@ export class RowMatcher {
   /** Uint8Array(vocabSize): 1 for the tokens that keep the text a prefix of the language; `eosIds` (the call's
    * end tokens) only where the text is complete; ids past the tokenizer's vocabulary never. */
   allowed(eosIds = []) {
-    const { vocabSize, tokenizerSize, eos, invalid } = this.compiled.engine;
+    const { vocabSize, tokenizerSize, eos, invalidIds } = this.compiled.engine;
     const out = new Uint8Array(vocabSize);
     const n = Math.min(vocabSize, tokenizerSize);
-    for (let i = 0; i < n; i++) out[i] = this.#bit(i) & ~invalid[i];
+    const words = this.words;
+    for (let w = 0; w < words.length; w++) {
+      let bits = words[w];
+      if (bits === 0) continue;
+      const base = w << 5;
+      if (bits === -1) {
+        out.fill(1, base, Math.min(base + 32, n));
+        continue;
+      }
+      while (bits) {
+        const low = bits & -bits;
+        const i = base + 31 - Math.clz32(low);
+        if (i < n) out[i] = 1;
+        bits ^= low;
+      }
+    }
+    for (const i of invalidIds) out[i] = 0;
     for (const t of eos) if (t < vocabSize) out[t] = 0; // the engine's end token is the call's to allow
     const accepts = this.acceptsEos ? 1 : 0;
     for (const t of eosIds) if (t < vocabSize) out[t] = accepts;
