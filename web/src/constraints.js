@@ -301,7 +301,9 @@ export class ConstraintEngine {
     } catch (e) {
       if (e instanceof ConstraintError) throw e;
       const what = { json_schema: "JSON Schema", json_object: "JSON object", choice: "choice list" }[c.kind] ?? c.kind;
-      throw new ConstraintError(`The ${what} constraint is refused by the engine: ${firstLine(e)}`);
+      // xgrammar's C++ errors abort its WASM call; the reason is on the console (stderr), the exception says only this
+      const why = /^Aborted\(/.test(firstLine(e)) ? "xgrammar stopped on it (its reason is on the browser console)" : firstLine(e);
+      throw new ConstraintError(`The ${what} constraint is refused by the engine: ${why.replace(/\.$/, "")}.`);
     }
     const compiled = new CompiledConstraint(this, c, grammar, performance.now() - t0);
     const probe = await compiled.matcher();
@@ -329,8 +331,12 @@ export class ConstraintEngine {
         const ebnf = await this.xg.Testings._jsonSchemaToEBNF(schema, o.anyWhitespace, o.indent, o.separators, o.strictMode);
         return this.compiler.compileGrammar(llguidanceJSON(ebnf));
       }
-      case "regex":
+      case "regex": {
+        // refused by xgrammar with an abort whose reason goes to the console only: named here, as llguidance does
+        const unsupported = /\(\?<?[=!]/.test(c.text) ? "look-around" : /(^|[^\\])(\\\\)*\\([1-9]|k<)/.test(c.text) ? "a back-reference" : null;
+        if (unsupported) throw new ConstraintError(`The regex constraint is refused by the engine: it uses ${unsupported}, which regular languages do not have.`);
         return this.compiler.compileStructuralTag({ type: "structural_tag", format: { type: "regex", pattern: c.text } });
+      }
       case "choice":
         return this.compiler.compileGrammar(`root ::= ${JSON.parse(c.text).map(ebnfLiteral).join(" | ")}`);
       case "gbnf":
