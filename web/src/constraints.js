@@ -4,9 +4,10 @@
 //
 // What each kind compiles to, configured as the Python engine (llguidance) is, so that both give the same
 // allowed tokens (tests/test_web_constraints.py compares their masks token by token):
-//   json_schema, json_object: compileJSONSchema, compact (no whitespace between tokens, "," and ":" as the
-//     separators: llguidance's whitespace_flexible=false) and not strict (what the schema does not forbid is
-//     allowed, as JSON Schema says and llguidance does: give "additionalProperties": false to forbid more keys)
+//   json_schema, json_object: xgrammar's JSON Schema converter (JSON_OPTIONS: compact, no whitespace between
+//     tokens, "," and ":" as the separators, as llguidance's whitespace_flexible=false; not strict: what the
+//     schema does not forbid is allowed, as JSON Schema says and llguidance does), its EBNF patched where it
+//     reads JSON otherwise than llguidance (JSON_RULES), bounded integers as enums (boundedIntegersAsEnums)
 //   regex: a structural tag {type: "regex"} (the whole output matches; xgrammar's regex syntax, not Rust's)
 //   choice: an EBNF alternation of the strings
 //   gbnf: xgrammar's EBNF, which reads llama.cpp's GBNF (`root` is the start rule)
@@ -19,7 +20,7 @@ export const MAX_TEXT_BYTES = 256 * 1024; // gpt2edge.runtime.constraints.spec's
 export const MAX_DEPTH = 100;
 export const MAX_CHOICES = 4096;
 export const CACHE_SIZE = 16; // compiled constraints kept per engine (least recently used out)
-// the options of compileJSONSchema that match llguidance's {"whitespace_flexible": false}
+// the options of xgrammar's JSON Schema converter that match llguidance's {"whitespace_flexible": false}
 export const JSON_OPTIONS = { anyWhitespace: false, indent: -1, separators: [",", ":"], strictMode: false };
 
 export class ConstraintError extends Error {
