@@ -109,7 +109,7 @@ CASES = [
 LENIENT = (
     "json_schema",
     json.dumps({k: v for k, v in PERSON.items() if k != "additionalProperties"}),
-    '{"name":"x","age":1,"tags',
+    '{"name":"x","age":1,"tags":1}',
 )
 
 
@@ -178,6 +178,10 @@ def masks(tokenizer_json, tmp_path_factory):
     out = {}
     for n, ((kind, text, _), i, j) in enumerate(zip(cases, ids, js)):
         assert "error" not in j, (kind, text, j)
+        if n == len(CASES):  # LENIENT: llguidance refuses the text (the test below)
+            m = compile_constraint(Constraint(kind, text), tok, VOCAB, eos).matcher()
+            out[n] = (i, [m.try_advance(t) for t in i], None, j)
+            continue
         forcing = _python_masks(Constraint(kind, text), tok, eos, i)
         alike = _python_masks(_no_forcing(kind, text), tok, eos, i)
         out[n] = (i, forcing, alike, j)
@@ -218,31 +222,28 @@ def test_runtime_masks_differ_only_where_text_is_forced(masks, n):
 @needs_node
 def test_forcing_is_the_difference_and_it_shows(masks):
     """Pinned: on a choice whose rest is forced (" blue" -> " sky"), llguidance allows the one canonical token,
-    xgrammar every token spelling a prefix of " sky"."""
+    xgrammar every token spelling a prefix of " sky" (" ", " s", ... " sky" where the vocabulary has them)."""
     tok, out = masks
     n = next(i for i, c in enumerate(CASES) if c[2] == " blue sky")
     ids, (forcing, _), (alike, _), js = out[n]
     step = next(s for s in range(len(ids)) if tok._tok.decode(ids[:s]) == " blue")
     assert js["forced"][step] == " sky"
-    assert [tok._tok.decode([t]) for t in forcing[step]] == [" sky"]
+    assert forcing[step] == [tok.encode(" sky")[0]]  # the canonical tokenization's first token
     spelled = {tok._tok.decode([t]) for t in js["steps"][step]}
-    assert " sky" in spelled and all(" sky".startswith(s) for s in spelled) and len(spelled) > 1
+    assert all(" sky".startswith(s) for s in spelled) and set(forcing[step]) < set(js["steps"][step])
     assert alike[step] == js["steps"][step]
 
 
 @needs_node
 def test_xgrammar_lets_a_free_key_repeat_a_declared_one(masks):
-    """Pinned: in an object that allows more properties, xgrammar's free keys may spell a declared one (here
-    "tags", declared as an array, then closed and given a non-array value); llguidance's may not. Wherever the
-    masks differ the JS one is a superset, so the browser's docs ask for "additionalProperties": false."""
+    """Pinned: in an object that allows more properties, xgrammar's free keys may spell a declared one with
+    another type ("tags", declared as an array, given 1); llguidance's may not. So the browser's docs ask for
+    "additionalProperties": false."""
     tok, out = masks
-    ids, _, (alike, _), js = out[len(CASES)]
-    last = len(ids)
-    assert tok._tok.decode(ids).endswith('"tags')
-    differ = [s for s, (a, b) in enumerate(zip(alike, js["steps"])) if a != b]
-    assert last in differ and all(set(alike[s]) < set(js["steps"][s]) for s in differ)
-    extra = [tok._tok.decode([t]) for t in set(js["steps"][last]) - set(alike[last])]
-    assert any(e.startswith('":') and not e.startswith('":[') for e in extra), extra[:20]
+    ids, took, _, js = out[len(CASES)]
+    assert len(js["steps"]) == len(ids) + 1 and js["done"]  # xgrammar took every token, and the object is closed
+    refused = took.index(False)  # llguidance refuses a token of the value
+    assert tok._tok.decode(ids[:refused]).startswith('{"name":"x","age":1,"tags"')
 
 
 @needs_node
