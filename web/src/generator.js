@@ -54,7 +54,10 @@ export class WebGenerator {
     if (!c) return null;
     if (!this.engine) {
       if (!this.tokenizerJson) throw new ConstraintError("This generator was made without its tokenizer.json, which the constraint engine needs.");
-      this.engine = ConstraintEngine.create(vocabularyOf(this.tokenizerJson), this.lm.vocabSize, this.eos);
+      this.engine = ConstraintEngine.create(vocabularyOf(this.tokenizerJson), this.lm.vocabSize, this.eos).catch((e) => {
+        this.engine = null; // the next constrained call tries again
+        throw e;
+      });
     }
     return (await this.engine).compile(c);
   }
