@@ -1,11 +1,11 @@
 """Build hook: the wheel carries the browser target's static files as package data (gpt2edge/_web), so that
 `gpt2edge convert --format web` works from a pip install, not only from a source checkout.
 
-What is copied is what gpt2edge/convert/web.py copies into a web folder (its PAGE, RUNTIME_FILES, ORT_FILES and
-TOKENIZERS_FILES, read from that file, so the two lists cannot drift), plus the npm packages' package.json
-(their versions go into the folder's manifest) and licenses. The npm packages are the ones web/package-lock.json
-pins: when web/node_modules lacks them, or holds other versions, `npm ci` installs them first (no CDN).
-Everything else is in pyproject.toml.
+What is copied is what gpt2edge/convert/web.py copies into a web folder (its PAGE, RUNTIME_FILES, ORT_FILES,
+TOKENIZERS_FILES and XGRAMMAR_FILES, read from that file, so the lists cannot drift), plus the npm packages'
+package.json (their versions go into the folder's manifest) and licenses. The npm packages are the ones
+web/package-lock.json pins: when web/node_modules lacks them, or holds other versions, `npm ci` installs them
+first (no CDN). Everything else is in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
 WEB = HERE / "web"
-PACKAGES = ("onnxruntime-web", "@huggingface/tokenizers")
+PACKAGES = ("onnxruntime-web", "@huggingface/tokenizers", "@mlc-ai/web-xgrammar")
 
 
 def _web_py_constants() -> dict:
-    """PAGE, RUNTIME_FILES, ORT_FILES, TOKENIZERS_FILES as gpt2edge/convert/web.py defines them."""
+    """PAGE, RUNTIME_FILES, ORT_FILES, TOKENIZERS_FILES, XGRAMMAR_FILES as gpt2edge/convert/web.py defines them."""
     tree = ast.parse((HERE / "gpt2edge" / "convert" / "web.py").read_text())
-    wanted = {"PAGE", "RUNTIME_FILES", "ORT_FILES", "TOKENIZERS_FILES"}
+    wanted = {"PAGE", "RUNTIME_FILES", "ORT_FILES", "TOKENIZERS_FILES", "XGRAMMAR_FILES"}
     found = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
@@ -46,6 +46,7 @@ def web_files() -> list[str]:
     files += [f"src/{n}" for n in c["RUNTIME_FILES"]]
     files += [f"node_modules/onnxruntime-web/dist/{n}" for n in c["ORT_FILES"]]
     files += [f"node_modules/@huggingface/tokenizers/{n}" for n in c["TOKENIZERS_FILES"]]
+    files += [f"node_modules/@mlc-ai/web-xgrammar/{n}" for n in c["XGRAMMAR_FILES"]]
     for pkg in PACKAGES:
         files.append(f"node_modules/{pkg}/package.json")
         files += [f"node_modules/{pkg}/{n}" for n in ("LICENSE",) if (WEB / "node_modules" / pkg / n).is_file()]

@@ -14,7 +14,7 @@ import pytest
 from web_helpers import WEB
 
 from gpt2edge.runtime.decoding.processors import apply_processors
-from gpt2edge.runtime.decoding.sampling import SamplingParams, sample_row, warp_row
+from gpt2edge.runtime.decoding.sampling import SamplingParams, next_tokens, sample_row, warp_row
 
 # skipped only outside CI (CI=true, as .ci/run runs): there a missing node fails instead
 pytestmark = pytest.mark.skipif(
@@ -61,6 +61,16 @@ def _cases():
     return cases
 
 
+def _allowed(vocab: int, i: int) -> np.ndarray:
+    """A constraint's allowed ids for case i: a random third of the row, a handful, or every token."""
+    rng = np.random.default_rng(100 + i)
+    if i % 3 == 0:
+        return np.flatnonzero(rng.random(vocab) < 0.3)
+    if i % 3 == 1:
+        return np.sort(rng.choice(vocab, size=min(5, vocab), replace=False))
+    return np.arange(vocab)
+
+
 @pytest.fixture(scope="module")
 def js_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vectors")
@@ -70,10 +80,16 @@ def js_results(tmp_path_factory):
             "seen": seen,
             "seed": seed,
             "draws": DRAWS,
-            "params": {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
-                       "repetition_penalty": p.repetition_penalty},
+            "params": {
+                "temperature": p.temperature,
+                "top_k": p.top_k,
+                "top_p": p.top_p,
+                "min_p": p.min_p,
+                "repetition_penalty": p.repetition_penalty,
+            },
+            "allowed": _allowed(len(row), i).tolist(),
         }  # fmt: skip
-        for row, seen, p, seed in _cases()
+        for i, (row, seen, p, seed) in enumerate(_cases())
     ]
     seeds = [0, 1, 42, 2**32 - 1, 2**32, 2**63 + 12345, 2**128 + 7]
     uniforms = {"seeds": [str(s) for s in seeds], "n": 64}  # strings: JSON numbers are doubles in JS
@@ -121,3 +137,21 @@ def test_generator_loop_in_node(tiny_checkpoint):
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "# pass 4" in proc.stdout and "# skipped 0" in proc.stdout
+
+
+@pytest.mark.parametrize("i", range(len(GRID)))
+def test_constraint_mask_sits_where_python_puts_it(js_results, i):
+    """nextToken(..., allowed): the mask after the repetition penalty and before the warpers, as
+    gpt2edge.runtime.decoding.sampling.next_tokens(allowed=) applies it: the same greedy id and, for a seed, the
+    same draws (a third of the row allowed, five tokens, or every token: then the unmasked draws)."""
+    row, seen, params, seed = _cases()[i]
+    mask = np.zeros(len(row), dtype=bool)
+    mask[_allowed(len(row), i)] = True
+    rng = np.random.default_rng(seed)
+    py = [int(next_tokens(row[None], params, [np.array(seen)], 0, rng, allowed=mask[None])[0]) for _ in range(DRAWS)]
+    js = js_results["cases"][i]
+    assert js["masked_draws"] == py and all(mask[t] for t in py)
+    greedy = SamplingParams(do_sample=False, repetition_penalty=params.repetition_penalty)
+    assert js["masked_greedy"] == int(next_tokens(row[None], greedy, [np.array(seen)], 0, rng, allowed=mask[None])[0])
+    if mask.all():
+        assert js["masked_draws"] == js["draws"]

@@ -1,7 +1,8 @@
 """An export folder as a static web page: the graph in the form onnxruntime-web runs, the tokenizer, the
-manifest, gpt2edge's JavaScript runtime (web/src), the page (web/index.html) and onnxruntime-web's and
-@huggingface/tokenizers' browser files, copied from the npm packages that web/package-lock.json pins (no CDN
-at run time: the folder works offline on any static file server).
+manifest, gpt2edge's JavaScript runtime (web/src), the page (web/index.html) and onnxruntime-web's,
+@huggingface/tokenizers' and @mlc-ai/web-xgrammar's (the constraint engine: structured output) browser files,
+copied from the npm packages that web/package-lock.json pins (no CDN at run time: the folder works offline on
+any static file server).
 
 What the browser runs (onnxruntime-web 1.30 WASM, checked in headless Chromium by tests/test_web_browser.py):
 fp32, int8 and int4 graphs of both KV-cache kinds: GroupQueryAttention (--kv-cache shared), MatMulNBits (4 and
@@ -34,7 +35,14 @@ ORT_FILES = (
     "ort-wasm-simd-threaded.asyncify.wasm",
 )
 TOKENIZERS_FILES = ("dist/tokenizers.min.mjs", "LICENSE")
-RUNTIME_FILES = ("folder.js", "generator.js", "model.js", "page.js", "rng.js", "sampler.js", "text-stream.js")
+XGRAMMAR_DIR = "vendor/xgrammar"
+# xgrammar's browser bundle (a UMD script with its WASM inlined), copied as vendor/xgrammar/xgrammar.js; the
+# page's constraints.js imports it the first time a constraint is used (the package ships no LICENSE file: it is
+# Apache-2.0 by its package.json, which the folder's manifest records with the version)
+XGRAMMAR_FILES = ("lib/index.js",)
+RUNTIME_FILES = (
+    "constraints.js", "folder.js", "generator.js", "model.js", "page.js", "rng.js", "sampler.js", "text-stream.js",
+)  # fmt: skip
 
 
 def web_package_dir() -> Path:
@@ -54,6 +62,7 @@ class WebConversion:
     runtime: str
     onnxruntime_web: str
     tokenizers: str
+    xgrammar: str = ""  # @mlc-ai/web-xgrammar's version (structured output in the page)
     rewritten: dict[str, int] = field(default_factory=dict)  # what was changed in the graph -> how many nodes
 
     def to_json(self) -> dict[str, Any]:
@@ -94,6 +103,8 @@ def _package_files() -> dict[str, Path]:
     files.update({f"{ORT_DIR}/{n}": modules / "onnxruntime-web" / "dist" / n for n in ORT_FILES})
     tokenizers = modules / "@huggingface" / "tokenizers"
     files.update({f"{TOKENIZERS_DIR}/{Path(n).name}": tokenizers / n for n in TOKENIZERS_FILES})
+    xgrammar = modules / "@mlc-ai" / "web-xgrammar"
+    files.update({f"{XGRAMMAR_DIR}/xgrammar.js": xgrammar / n for n in XGRAMMAR_FILES})
     missing = [str(p) for p in files.values() if not p.is_file()]
     if missing:
         raise ConvertError(
@@ -220,6 +231,7 @@ def write_web(folder, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         runtime=RUNTIME_DIR,
         onnxruntime_web=_package_version("onnxruntime-web"),
         tokenizers=_package_version("@huggingface/tokenizers"),
+        xgrammar=_package_version("@mlc-ai/web-xgrammar"),
         rewritten=rewritten,
     )
     return {"file": files[0], "files": files, "format": "web"}, record.to_json()

@@ -3,6 +3,7 @@
 
 import { Tokenizer } from "@huggingface/tokenizers";
 
+import { Constraint, ConstraintEngine, ConstraintError, vocabularyOf } from "./constraints.js";
 import { FolderError, WebFolder } from "./folder.js";
 import { WebLM } from "./model.js";
 import { defaultRng } from "./rng.js";
@@ -35,13 +36,30 @@ export function lengthError(promptLen, maxNew, nPositions) {
 }
 
 export class WebGenerator {
-  constructor(folder, tokenizer, lm, defaults) {
+  /** tokenizerJson: the parsed tokenizer.json (the constraint engine's vocabulary), or null: no constraints. */
+  constructor(folder, tokenizer, lm, defaults, tokenizerJson = null) {
     this.folder = folder;
     this.tokenizer = tokenizer;
     this.lm = lm;
     this.defaults = defaults;
     this.eos = idList(defaults.eos_token_id);
     this.bos = defaults.bos_token_id ?? this.eos[0] ?? 0;
+    this.tokenizerJson = tokenizerJson;
+    this.engine = null; // the constraint engine (xgrammar), made at the first constrained call
+  }
+
+  /** The constraint compiled for this folder's tokenizer and vocabulary (cached by the engine), or null. */
+  async compileConstraint(value) {
+    const c = Constraint.from(value);
+    if (!c) return null;
+    if (!this.engine) {
+      if (!this.tokenizerJson) throw new ConstraintError("This generator was made without its tokenizer.json, which the constraint engine needs.");
+      this.engine = ConstraintEngine.create(vocabularyOf(this.tokenizerJson), this.lm.vocabSize, this.eos).catch((e) => {
+        this.engine = null; // the next constrained call tries again
+        throw e;
+      });
+    }
+    return (await this.engine).compile(c);
   }
 
   /** Open the folder at `base` (its URL), check and load the tokenizer and the graph on `device`. */
@@ -61,7 +79,7 @@ export class WebGenerator {
     }
     const defaults = await folder.generationDefaults();
     const lm = await WebLM.load(ort, folder, { device, onBytes });
-    return new WebGenerator(folder, tokenizer, lm, defaults);
+    return new WebGenerator(folder, tokenizer, lm, defaults, tokJson);
   }
 
   /** transformers' defaults, then generation_config.json, then the call's values (giving a sampling knob turns
@@ -91,13 +109,22 @@ export class WebGenerator {
    * Generate for one prompt; yields {piece, token} after every token (piece: new printable text, maybe "").
    * Returns (as the generator's return value) the result: token_ids, text, pieces, finish_reason ("eos", "stop",
    * "length" or "stopped"), prefill_ms, decode_ms_per_token, tokens_per_s. `signal`: an AbortSignal (Stop).
+   * options.constraint: structured output (constraints.js: a Constraint, or {json_schema}, {regex}, {choice},
+   * {grammar}, {json_object: true}); the text is then a sentence of its language, or finish "length".
    */
   async *stream(prompt, options = {}, signal = undefined) {
     let params;
+    const { constraint, ...rest } = options;
     try {
-      params = this.params(options);
+      params = this.params(rest);
     } catch (e) {
       throw e instanceof SamplingError ? new GenerationError(e.message) : e;
+    }
+    let compiled;
+    try {
+      compiled = await this.compileConstraint(constraint);
+    } catch (e) {
+      throw e instanceof ConstraintError ? new GenerationError(e.message) : e;
     }
     const ids = this.encode(prompt);
     const error = lengthError(ids.length, params.max_new_tokens, this.lm.nPositions);
@@ -109,29 +136,44 @@ export class WebGenerator {
     const generated = [];
     const decodeMs = [];
     const pieces = []; // the streamed text, piece by piece (joined: the final text)
+    const matcher = compiled ? await compiled.matcher() : null; // this call's grammar state
     let finish = null;
     // the last sampled token is never fed back: the cache needs prompt + max_new_tokens - 1 positions
     this.lm.start(ids.length + params.max_new_tokens - 1);
     const t0 = performance.now();
-    let logprobs = await this.lm.forward(ids);
-    const prefillMs = performance.now() - t0;
-    for (let step = 0; step < params.max_new_tokens; step++) {
-      if (Number.isNaN(logprobs[0])) throw new GenerationError(`The model produced NaN log-probabilities at step ${step}; try the fp32 folder.`);
-      const tok = nextToken(logprobs, params, seen, rng);
-      generated.push(tok);
-      seen.push(tok);
-      if (eos.has(tok)) finish = "eos";
-      else if (text.push(tok)) finish = "stop";
-      else if (generated.length >= params.max_new_tokens) finish = "length";
-      else if (signal?.aborted) finish = "stopped";
-      if (finish) text.finish();
-      const piece = text.take();
-      if (piece) pieces.push(piece);
-      yield { piece, token: tok };
-      if (finish) break;
-      const t1 = performance.now();
-      logprobs = await this.lm.forward([tok]);
-      decodeMs.push(performance.now() - t1);
+    let prefillMs = 0;
+    try {
+      let logprobs = await this.lm.forward(ids);
+      prefillMs = performance.now() - t0;
+      for (let step = 0; step < params.max_new_tokens; step++) {
+        if (Number.isNaN(logprobs[0])) throw new GenerationError(`The model produced NaN log-probabilities at step ${step}; try the fp32 folder.`);
+        let tok;
+        try {
+          tok = nextToken(logprobs, params, seen, rng, matcher ? matcher.allowed(params.eos_token_id) : null);
+        } catch (e) {
+          throw e instanceof SamplingError ? new GenerationError(e.message) : e;
+        }
+        generated.push(tok);
+        seen.push(tok);
+        if (eos.has(tok)) finish = "eos";
+        else {
+          const stopString = text.push(tok);
+          if (matcher) await matcher.advance(tok);
+          if (stopString || matcher?.done) finish = "stop"; // a stop string, or the grammar is complete
+          else if (generated.length >= params.max_new_tokens) finish = "length";
+          else if (signal?.aborted) finish = "stopped";
+        }
+        if (finish) text.finish();
+        const piece = text.take();
+        if (piece) pieces.push(piece);
+        yield { piece, token: tok };
+        if (finish) break;
+        const t1 = performance.now();
+        logprobs = await this.lm.forward([tok]);
+        decodeMs.push(performance.now() - t1);
+      }
+    } finally {
+      matcher?.dispose();
     }
     const wallMs = performance.now() - t0;
     this.lm.release();

@@ -1,7 +1,8 @@
 // The page: pick a backend (WebGPU, else WASM; threads when the page is cross-origin isolated), load the folder
 // the page sits in, and generate from the form, or from the query string for automation:
 //   index.html?prompt=TEXT&max_new_tokens=N&temperature=0[&seed=S&top_k=K&top_p=P&repetition_penalty=R
-//              &stop=S (repeatable)&ignore_eos=1&device=wasm|webgpu&threads=T]&report=URL
+//              &stop=S (repeatable)&ignore_eos=1&device=wasm|webgpu&threads=T
+//              &json_schema=JSON|&json_object=1|&regex=RE|&choice=S (repeatable)|&grammar=GBNF]&report=URL
 // generates on load and POSTs {"token_ids", "text", "prefill_ms", "decode_ms_per_token", ...} as JSON to URL
 // (same origin only), or {"error": "..."} when anything fails.
 
@@ -92,6 +93,32 @@ async function load(query) {
   $("status").textContent = `ready (loaded in ${(state.loadMs / 1e3).toFixed(1)} s)`;
 }
 
+/** The form's constraint: {json_schema: text} etc. (constraints.js's Constraint.from), or undefined. */
+function formConstraint() {
+  const kind = $("constraint_kind").value;
+  const text = $("constraint_text").value;
+  if (!kind) return undefined;
+  if (kind === "json_object") return { json_object: true };
+  if (kind === "choice") return { choice: text.split("\n").filter((s) => s.length) };
+  return { [kind]: text };
+}
+
+/** The query string's constraint (one of json_schema, json_object, regex, choice, grammar), or undefined. */
+function queryConstraint(q) {
+  const given = ["json_schema", "json_object", "regex", "choice", "grammar"].filter((k) => q.has(k));
+  if (!given.length) return undefined;
+  const c = {};
+  for (const k of given) c[k] = k === "choice" ? q.getAll(k) : k === "json_object" ? q.get(k) === "1" : q.get(k);
+  return c; // more than one: the generator refuses it in one line
+}
+
+function showConstraint(c) {
+  if (!c) return;
+  const [kind, value] = Object.entries(c)[0];
+  $("constraint_kind").value = kind;
+  $("constraint_text").value = kind === "choice" ? value.join("\n") : kind === "json_object" ? "" : value;
+}
+
 function formOptions() {
   const num = (id) => ($(id).value.trim() === "" ? undefined : Number($(id).value));
   // one stop string a line; a literal \n in a line stands for a newline
@@ -104,6 +131,7 @@ function formOptions() {
     repetition_penalty: num("repetition_penalty"),
     seed: num("seed"),
     stop,
+    constraint: formConstraint(),
   };
 }
 
@@ -157,6 +185,7 @@ function readQuery() {
       seed: seed === null ? undefined : /^\d+$/.test(seed) ? (Number(seed) <= Number.MAX_SAFE_INTEGER ? Number(seed) : BigInt(seed)) : Number.NaN,
       stop: q.getAll("stop"),
       ignore_eos: q.get("ignore_eos") === "1" || undefined,
+      constraint: queryConstraint(q),
     },
   };
 }
@@ -192,6 +221,7 @@ async function main() {
   $("prompt").value = job.prompt;
   for (const [k, v] of Object.entries(job.options)) if ($(k) && v !== undefined && typeof v !== "object") $(k).value = String(v);
   $("stop").value = job.options.stop.map((s) => s.replaceAll("\n", "\\n")).join("\n");
+  showConstraint(job.options.constraint);
   try {
     const r = await generate(job.prompt, job.options);
     state.result = r;

@@ -275,9 +275,23 @@ export function argmax(row) {
   return best;
 }
 
-/** One (V,) row of log-probs -> the next token id: the processors, then argmax or the warpers and one draw. */
-export function nextToken(row, params, seen, rng) {
-  const scores = applyRepetitionPenalty(row, seen, params.repetition_penalty);
+/** A constraint's mask (Uint8Array, 1 = allowed): every other token's score becomes -inf. */
+export function applyMask(row, allowed) {
+  const out = Float32Array.from(row);
+  let any = false;
+  for (let i = 0; i < out.length; i++) {
+    if (!allowed[i]) out[i] = -Infinity;
+    else if (out[i] > -Infinity) any = true;
+  }
+  if (!any) throw new SamplingError("The constraint allows no token here.");
+  return out;
+}
+
+/** One (V,) row of log-probs -> the next token id: the processors, the constraint's mask (`allowed`, or null),
+ * then argmax or the warpers and one draw (gpt2edge.runtime.decoding.sampling.next_tokens' order). */
+export function nextToken(row, params, seen, rng, allowed = null) {
+  let scores = applyRepetitionPenalty(row, seen, params.repetition_penalty);
+  if (allowed) scores = applyMask(scores, allowed);
   if (params.greedy) return argmax(scores);
   const { ids, probs } = warpRow(scores, params);
   const i = sampleIndex(probs, rng);

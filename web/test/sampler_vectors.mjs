@@ -1,7 +1,8 @@
 // Run the JS sampler on shared test vectors (written by tests/test_web_sampler.py from the NumPy sampler):
 //   node test/sampler_vectors.mjs IN.json OUT.json
 // Each case: {row, params, seen, seed, draws}; the output per case: the kept ids and their probabilities after
-// the repetition penalty and the warpers, the greedy id, and `draws` tokens drawn with one generator.
+// the repetition penalty and the warpers, the greedy id, and `draws` tokens drawn with one generator; with
+// `allowed` (a constraint's allowed ids), the greedy id and the draws with that mask (nextToken's `allowed`).
 import { readFileSync, writeFileSync } from "node:fs";
 
 import { defaultRng } from "../src/rng.js";
@@ -17,12 +18,21 @@ for (const c of cases) {
   const { ids, probs } = warpRow(scores, params);
   const rng = defaultRng(c.seed);
   const draws = Array.from({ length: c.draws }, () => nextToken(row, params, c.seen, rng));
-  out.cases.push({
+  const result = {
     ids: ids === null ? Array.from(probs.keys()) : Array.from(ids),
     probs: Array.from(probs),
     greedy: argmax(scores),
     draws,
-  });
+  };
+  if (c.allowed) {
+    const mask = new Uint8Array(row.length);
+    for (const t of c.allowed) mask[t] = 1;
+    const masked = defaultRng(c.seed);
+    result.masked_draws = Array.from({ length: c.draws }, () => nextToken(row, params, c.seen, masked, mask));
+    const greedy = new SamplingParams({ ...c.params, do_sample: false });
+    result.masked_greedy = nextToken(row, greedy, c.seen, null, mask);
+  }
+  out.cases.push(result);
 }
 for (const seed of uniforms.seeds) {
   const rng = defaultRng(BigInt(seed));
