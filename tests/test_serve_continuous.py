@@ -158,9 +158,7 @@ def test_the_cache_rows_are_reserved_at_start(tiny_export):
 
 
 def _plain_greedy(params, step: int) -> bool:
-    group = RowGroup([], params, np.random.default_rng(0))
-    group.step = step
-    return group._plain_greedy()
+    return RowGroup([], params, np.random.default_rng(0))._plain_greedy(step)
 
 
 def test_plain_greedy_rows_skip_the_processors_only_when_none_applies(tiny_export):

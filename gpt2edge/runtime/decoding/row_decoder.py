@@ -138,11 +138,11 @@ class RowGroup:
         if self.constraint is not None:
             self.constraint.prefetch(self.active() if active is None else active)
 
-    def _plain_greedy(self) -> bool:
-        """Greedy with nothing that changes the scores at this step: the token is the raw scores' argmax."""
+    def _plain_greedy(self, step: int) -> bool:
+        """Greedy with nothing that changes the scores at `step`: the token is the raw scores' argmax."""
         p = self.params
         return (p.greedy and self.constraint is None and not p.row_penalties and not p.uses_history
-                and not p.bad_words_ids and self.step >= p.min_new_tokens)  # fmt: skip
+                and not p.bad_words_ids and step >= p.min_new_tokens)  # fmt: skip
 
     def choose(self, logprobs: np.ndarray, where: Sequence[int | None] | None = None) -> np.ndarray:
         """Pick the next token of every row. logprobs: (N, W) scores; where[i] is the row of `logprobs` that
@@ -156,16 +156,18 @@ class RowGroup:
         whole = where is None
         where = list(range(R)) if whole else list(where)
         present = np.array([j is not None for j in where])
-        if not whole and self._plain_greedy():  # nothing to process: each row's argmax, no batch of scores built
+        if not whole and self._plain_greedy(step):  # nothing to process: each row's argmax, no batch of scores built
             out = np.full(R, -1, dtype=np.int64)
             out[present] = [greedy_tokens(logprobs[j : j + 1], self.columns)[0] for j in where if j is not None]
             return out
         allowed = None
         if self.constraint is not None:  # each unfinished row's grammar: its allowed tokens now
             allowed = self.constraint.masks(present & self.active())
-        scores = [None if j is None else self.rows[i].penalised(logprobs[j : j + 1]) for i, j in enumerate(where)]
         seen = [r.seen for r in self.rows]
-        if present.all():  # the whole group in one call: the processors vectorised over its rows
+        if whole and not self.params.row_penalties:  # the batch as it is (no copy): the processors vectorised
+            return next_tokens(logprobs, self.params, seen, step, self.rng, self.columns, allowed)
+        scores = [None if j is None else self.rows[i].penalised(logprobs[j : j + 1]) for i, j in enumerate(where)]
+        if present.all():  # the whole group in one call
             return next_tokens(np.concatenate(scores), self.params, seen, step, self.rng, self.columns, allowed)
         out = np.full(R, -1, dtype=np.int64)
         for i, s in enumerate(scores):
