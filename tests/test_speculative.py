@@ -493,12 +493,12 @@ def test_draft_with_beams_or_logprobs_is_refused(targets):
         spec.generate("The river", logprobs=2, max_new_tokens=4)
 
 
-def test_tail_exports_are_refused_by_quantize_and_genai_with_the_fix(targets, tmp_path):
+def test_head_all_is_refused_by_quantize_and_tail_by_genai_with_the_fix(targets, tiny_export_all, tmp_path):
     from gpt2edge.convert import convert_folder
     from gpt2edge.quantize import make_recipe, quantize_model
 
-    with pytest.raises(QuantizeError, match="--head tail export; quantize a generation export"):
-        quantize_model(targets["concat"], tmp_path / "q", make_recipe("int4"))
+    with pytest.raises(QuantizeError, match="--head all export; quantize a generation export"):
+        quantize_model(tiny_export_all, tmp_path / "q", make_recipe("int4"))
     with pytest.raises(ConvertError, match="--head tail export"):
         convert_folder(targets["concat"], tmp_path / "g", "genai")
 
