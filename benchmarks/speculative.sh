@@ -22,7 +22,8 @@ for name in py small; do
     [ -d "$out/$name-shared" ] || gpt2edge export -m "$src" "$out/$name-shared" --kv-cache shared
     [ -d "$out/$name-int4-shared" ] || gpt2edge quantize "$out/$name-shared" -o "$out/$name-int4-shared" --mode int4
 done
-text=(--text gpt2edge/runtime/generate.py --text gpt2edge/runtime/sampling.py --text gpt2edge/runtime/kv_cache.py)
+text=(--text gpt2edge/runtime/decoding/generate.py --text gpt2edge/runtime/decoding/sampling.py
+      --text gpt2edge/runtime/model/kv_cache.py)
 run() {  # NAME ARGS...: one bench record
     local name=$1; shift
     gpt2edge bench "$@" --prompt-len 128 --new-tokens 120 --repeat 3 --threads 2 --json > "$out/$name-$round.json"

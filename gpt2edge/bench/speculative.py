@@ -4,6 +4,11 @@ did) or, with --sample, bench's sampling (temperature 0.8, top-k 50, top-p 0.9: 
 draws). Plain and speculative runs alternate, one warm-up of each first; figures are medians over the runs,
 and the record keeps the load average before and after (on a shared host it says how busy the CPUs were).
 
+The record also gives the target's read floor (bytes of a plain decode step / this machine's read bandwidth,
+probed before and after the runs, as plain `bench` does), and both ms/token against it: a speculative
+ms/token under the floor is what one-token-at-a-time decoding cannot reach. No floor when the step's bytes fit
+in the last-level cache (the note says so).
+
 Prompts: the first --prompt-len tokens of each --text file (acceptance depends on the text: code that reuses
 its identifiers is what prompt lookup is for), else seeded random token ids (acceptance then means little).
 """
@@ -19,7 +24,10 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from gpt2edge.bench.bench import emulated_note, floor_note, kv_bytes_per_step
+from gpt2edge.bench.probe import last_level_cache_bytes, read_bandwidth_gbs
 from gpt2edge.bench.workload import SAMPLING, BenchConfig, bench_prompts
+from gpt2edge.cpu_facts import this_cpu
 from gpt2edge.errors import GenerationError
 from gpt2edge.prompt_input import read_text_file
 from gpt2edge.runtime.decoding.generate import GenerationState, generate
@@ -73,6 +81,7 @@ def run_spec_bench(model_dir: Path, cfg: BenchConfig, spec: SpecBench, log=sys.s
     prompts = text_prompts(gen, spec.texts, cfg.prompt_len) if spec.texts else bench_prompts(cfg, gen.lm.vocab_size)
     sampling = SAMPLING if spec.sample else {}  # greedy by default; EOS ignored either way
     params = SamplingParams(max_new_tokens=cfg.new_tokens, seed=cfg.seed, **sampling)
+    bandwidths = [read_bandwidth_gbs(cfg.threads or 2)]  # before and after the runs: a shared host drifts
     plain_ms, spec_ms, steps, mismatches = [], [], [], 0
     totals = {"drafted": 0, "accepted": 0, "emitted": 0, "target_steps": 0, "draft_ms": 0.0}
     load_before = os.getloadavg()
@@ -89,7 +98,9 @@ def run_spec_bench(model_dir: Path, cfg: BenchConfig, spec: SpecBench, log=sys.s
             steps += sp.decode_ms
             for k in totals:
                 totals[k] += getattr(sp.stats, k)
+    bandwidths.append(read_bandwidth_gbs(cfg.threads or 2))
     plain_med, spec_med = float(np.median(plain_ms)), float(np.median(spec_ms))
+    floor = _read_floor(gen, cfg, max(bandwidths))
     return {
         "model": str(model_dir),
         "precision": gen.folder.precision,
@@ -113,9 +124,34 @@ def run_spec_bench(model_dir: Path, cfg: BenchConfig, spec: SpecBench, log=sys.s
         "draft_tokens_per_step": totals["drafted"] / totals["target_steps"] if totals["target_steps"] else 0.0,
         "verify_step_ms": float(np.median(steps)) if steps else 0.0,
         "draft_ms_per_step": totals["draft_ms"] / totals["target_steps"] if totals["target_steps"] else 0.0,
+        **floor,
+        "plain_vs_floor": plain_med / floor["decode_floor_ms"] if floor["decode_floor_ms"] else None,
+        "speculative_vs_floor": spec_med / floor["decode_floor_ms"] if floor["decode_floor_ms"] else None,
+        "machine_read_bandwidth_range_gbs": [min(bandwidths), max(bandwidths)],
         "greedy_identical": None if spec.sample else mismatches == 0,
         "runs": len(plain_ms),
         "load_average_before_after": [list(load_before), list(os.getloadavg())],
+    }
+
+
+def _read_floor(gen: Generator, cfg: BenchConfig, bandwidth: float) -> dict[str, Any]:
+    """The target's plain decode floor, as `bench` computes it: its weights once plus the past keys and values
+    at the mean context, over the read bandwidth; None with a note when those bytes fit in the last-level cache
+    (or the CPU is emulated)."""
+    weights = gen.folder.manifest["graph"].get("decode_weight_bytes") or gen.folder.model_bytes()
+    itemsize = np.dtype(gen.folder.kv_dtype).itemsize
+    context = cfg.prompt_len + (cfg.new_tokens - 1) / 2
+    kv = (1 if gen.lm.shared else 2) * kv_bytes_per_step(gen.folder.dims, 1, context, itemsize)
+    cpu = this_cpu()
+    llc = None if cpu.emulated else last_level_cache_bytes()
+    note = emulated_note(cpu.emulated) or floor_note(weights + kv, llc)
+    return {
+        "weight_bytes_per_step": int(weights),
+        "bytes_read_per_step": int(weights + kv),
+        "machine_read_bandwidth_gbs": bandwidth,
+        "last_level_cache_bytes": llc,
+        "decode_floor_ms": None if note else (weights + kv) / (bandwidth * 1e9) * 1e3,
+        "decode_floor_note": note,
     }
 
 
@@ -145,9 +181,20 @@ def spec_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
             f"{r['speculative_ms_per_token']:.2f} ms/token ({r['speculative_tokens_per_s']:.1f} tokens/s)",
         ),
         ("speed-up", f"{r['speedup']:.2f} x"),
+        ("read floor", _floor_text(r)),
         ("acceptance rate", f"{r['acceptance_rate'] * 100:.1f} %"),
         ("tokens per target step", f"{r['tokens_per_target_step']:.2f} ({r['draft_tokens_per_step']:.2f} drafted)"),
         ("verify step", f"{r['verify_step_ms']:.2f} ms (median); drafting {r['draft_ms_per_step']:.2f} ms per step"),
         ("greedy tokens identical", {None: "n/a (sampling)", True: "yes", False: "NO"}[r["greedy_identical"]]),
         ("load average before / after", " / ".join(f"{a[0]:.1f}" for a in r["load_average_before_after"])),
     ]
+
+
+def _floor_text(r: dict[str, Any]) -> str:
+    if r.get("decode_floor_ms") is None:
+        return r.get("decode_floor_note") or "n/a"
+    return (
+        f"{r['decode_floor_ms']:.2f} ms/token ({r['bytes_read_per_step'] / 1e6:.1f} MB at "
+        f"{r['machine_read_bandwidth_gbs']:.1f} GB/s): plain {r['plain_vs_floor']:.2f} x, "
+        f"speculative {r['speculative_vs_floor']:.2f} x the floor"
+    )

@@ -73,10 +73,10 @@ def quantize_model(
             f"{src} is already {precision}; quantizing it to {recipe.mode} is refused ({hint}). "
             f"Quantize its fp32 parent ({parent.get('quantization', {}).get('parent', {}).get('path', '?')})."
         )
-    if info.graph.head != "last":
+    if info.graph.head == "all":  # a scoring export; --head tail (speculative decoding's target) is quantized
         raise QuantizeError(
-            f"{src} is a --head {info.graph.head} export; quantize a generation export (--head last) of the same "
-            "checkpoint."
+            f"{src} is a --head all export; quantize a generation export (--head last, or --head tail for a "
+            "speculative decoding target) of the same checkpoint."
         )
     if recipe.mode == "fp16" and info.graph.kv_cache == "shared":
         raise QuantizeError(

@@ -136,6 +136,25 @@ def _is_float_table(init: onnx.TensorProto | None, readers: set[str] | None) -> 
     )
 
 
+def _transposed_tables(g: onnx.GraphProto, inits: dict[str, onnx.TensorProto]) -> dict[str, str]:
+    """Transpose(perm [1, 0]) outputs of 2-D float initializers read only as a MatMul's weight -> the
+    initializer: the head of a graph that returns several positions."""
+    heads = {
+        n.output[0]: n.input[0]
+        for n in g.node
+        if n.op_type == "Transpose"
+        and n.input[0] in inits
+        and len(inits[n.input[0]].dims) == 2
+        and inits[n.input[0]].data_type == onnx.TensorProto.FLOAT
+        and [int(v) for a in n.attribute if a.name == "perm" for v in a.ints] == [1, 0]
+    }
+    for n in g.node:
+        for i, name in enumerate(n.input):
+            if name in heads and (n.op_type != "MatMul" or i != 1):
+                del heads[name]  # read otherwise too: left as it is
+    return heads
+
+
 def quantize_weights(
     model: onnx.ModelProto,
     bits: int,
@@ -150,8 +169,9 @@ def quantize_weights(
 ) -> onnx.ModelProto:
     """Rewrite `model` (an fp32 gpt2edge export) and return the new model (the input is not modified):
     - every MatMul with a 2-D weight -> MatMulNBits at `bits` / `block_size`;
-    - the head Gemm (tied embedding) -> MatMulNBits at `head_bits` / `head_block_size` (None: stays fp32),
-      and the token-embedding Gather reads the same packed table;
+    - the head Gemm (tied embedding), or a --head tail/all graph's MatMul(x, Transpose(table)), -> MatMulNBits
+      at `head_bits` / `head_block_size` (None: stays fp32), and the token-embedding Gather reads the same packed
+      table;
     - other embedding tables (positions) -> 8-bit rows dequantized in the graph;
     - layer_op "DynamicQuantizeMatMul" (8 bits only): the layers' MatMuls become per-column int8
       DynamicQuantizeMatMul instead (the head and tables as above).
@@ -172,9 +192,18 @@ def quantize_weights(
     new_nodes, new_inits, dropped = [], [], set()
     tables: dict[str, BlockQuantized] = {}  # embedding tables (row-major (V, C)), read by head and Gather
     packed: dict[str, BlockQuantized] = {}  # every quantized weight, by initializer name
+    # a --head tail (or all) export's head is MatMul(x, Transpose(table)) on (B, keep, C): the same x @ table.T
+    # as the last-position head's Gemm, so it becomes the same MatMulNBits (which takes a 3-D A); the Transpose
+    # goes with it. Without head_bits both stay fp32.
+    head_of = _transposed_tables(g, inits) if head_bits is not None else {}
     for n in g.node:
+        if n.op_type == "Transpose" and n.output[0] in head_of:
+            continue  # the head's MatMulNBits reads the packed table itself
         weight = n.input[1] if len(n.input) > 1 else None
-        if n.op_type == "MatMul" and layer_op == "DynamicQuantizeMatMul" and weight in inits:
+        tail_head = n.op_type == "MatMul" and weight in head_of
+        if tail_head:
+            weight = head_of[weight]  # the table itself: packed as the Gemm head's, shared with its Gather
+        if n.op_type == "MatMul" and layer_op == "DynamicQuantizeMatMul" and weight in inits and not tail_head:
             if bits != 8:
                 raise QuantizeError("DynamicQuantizeMatMul layers are 8-bit; use MatMulNBits for int4.")
             if len(inits[weight].dims) == 2:
@@ -187,16 +216,16 @@ def quantize_weights(
                 continue
         if weight in packed and n.op_type in ("MatMul", "Gemm"):
             q = packed[weight]  # a weight the exporter shared between two nodes: packed once, read twice
-        elif n.op_type == "MatMul" and weight in inits and len(inits[weight].dims) == 2:
-            w = array(inits[weight])  # (K, N)
-            q = quantize_blockwise(w, bits, block_size, symmetric)
-        elif n.op_type == "Gemm" and weight in inits and head_bits is not None:
+        elif tail_head or (n.op_type == "Gemm" and weight in inits and head_bits is not None):
             attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-            if attrs.get("transB") != 1 or attrs.get("transA", 0) or len(n.input) > 2:
+            if not tail_head and (attrs.get("transB") != 1 or attrs.get("transA", 0) or len(n.input) > 2):
                 raise QuantizeError(f"Unexpected head Gemm {n.name} {attrs}; re-export with this gpt2edge.")
             table = array(inits[weight])  # (V, C): the head is x @ table.T
             block = embedding_block_size(table.shape[1], head_block_size)
             q = tables[weight] = quantize_blockwise(table.T, head_bits, block, symmetric)
+        elif n.op_type == "MatMul" and weight in inits and len(inits[weight].dims) == 2:
+            w = array(inits[weight])  # (K, N)
+            q = quantize_blockwise(w, bits, block_size, symmetric)
         else:
             new_nodes.append(n)
             continue
