@@ -71,8 +71,10 @@ def test_the_optimum_page_ortmodel_block(genai_folder, greedy):
     assert ns["out"][0, ns["inputs"].input_ids.shape[1] :].tolist() == greedy.token_ids
 
 
-def test_the_generate_page_python_blocks_run(tiny_export):
-    # docs/generate.md's API examples, in order in one namespace (the beam block uses the first block's `gen`)
+def test_the_generate_page_python_blocks_run(tiny_export, tmp_path, monkeypatch):
+    # docs/generate.md's API examples, in order in one namespace (the beam block uses the first block's `gen`);
+    # run in a temp folder: the session block saves a file to the current directory
+    monkeypatch.chdir(tmp_path)
     ns: dict = {"__name__": "__docs__"}
     blocks = python_blocks("generate.md")
     assert len(blocks) >= 3
