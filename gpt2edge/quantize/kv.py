@@ -258,3 +258,55 @@ def twin_folder(folder: Path) -> Path:
         except OSError:  # a filesystem without hard links
             shutil.copy2(p, dst)
     return twin
+
+
+def calibration_tokens(folder: Path) -> list[int]:
+    """The calibration prefill: the built-in sample text in the folder's tokenizer, up to CALIBRATION_TOKENS
+    and the model's positions."""
+    from gpt2edge.runtime.model.folder import ModelFolder
+    from gpt2edge.runtime.model.tokenizer import TextTokenizer
+    from gpt2edge.sample_text import SAMPLE_TEXT
+
+    f = ModelFolder.open(folder, verify=False)
+    ids = TextTokenizer(f.tokenizer_path, f.dims.vocab_size).encode(SAMPLE_TEXT)
+    return ids[: min(CALIBRATION_TOKENS, f.n_positions)]
+
+
+def compact_kv_cache(
+    folder: Path,
+    manifest: dict[str, Any],
+    kv_dtype: str,
+    *,
+    report: bool = True,
+    text: str | None = None,
+    text_source: str | None = None,
+    log=None,
+    granularity: str = DEFAULT_GRANULARITY,
+) -> dict[str, Any]:
+    """Rewrite a finished folder (its manifest written) to a `kv_dtype` cache and write its manifest again; with
+    `report`, the KV effect (the quality report of this folder against itself with a float32 cache, on `text`
+    or the built-in sample) goes to the manifest's kv_effect and, printed, to `log`. Returns the manifest."""
+    from gpt2edge.manifest import write_manifest
+    from gpt2edge.quality import compare_folders, print_report
+    from gpt2edge.report_text import BUILT_IN
+
+    folder = Path(folder)
+    twin = twin_folder(folder) if report else None
+    try:
+        tokens = calibration_tokens(folder) if kv_dtype == "int8" else None
+        manifest = {**manifest, "graph": compact_folder_graph(folder, kv_dtype, tokens, granularity)}
+        manifest = write_manifest(folder, manifest)
+        if twin is not None:
+            effect = compare_folders(twin, folder, text=text, variant_name=f"{folder.name} ({kv_dtype} KV cache)")
+            effect.update(reference="the same graph with a float32 KV cache", kv_dtype=kv_dtype)
+            effect["text_scored"] = text_source or ("--text" if text is not None else BUILT_IN)
+            for key in ("size_reference", "size_variant", "precision_reference"):
+                effect.pop(key, None)
+            manifest["kv_effect"] = effect
+            if log is not None:
+                print_report(effect, title=f"KV cache {kv_dtype} vs float32 (same weights)", file=log)
+            manifest = write_manifest(folder, manifest)
+    finally:
+        if twin is not None:
+            shutil.rmtree(twin, ignore_errors=True)
+    return manifest
