@@ -35,7 +35,7 @@ from gpt2edge.errors import QuantizeError
 KV_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
 _ELEM = {"float16": TensorProto.FLOAT16, "int8": TensorProto.INT8}
 SCALE_GRANULARITIES = ("per-channel", "per-head", "per-tensor")
-DEFAULT_GRANULARITY = "per-channel"
+DEFAULT_GRANULARITY = "per-tensor"  # measured best (benchmarks/README.md, "Compact KV cache")
 CALIBRATION_TOKENS = 512
 _FP16_BIAS_FLOOR = -32768.0  # the mask's float32 floor (-1.7e38) is -inf in float16; this stays finite
 _PAST, _PRESENT = "past_key_values.", "present."
