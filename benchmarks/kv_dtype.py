@@ -53,7 +53,9 @@ def main() -> None:
         short = decode_ms(lm, SHORT_FROM, SHORT_TO, rng)
         long = decode_ms(lm, LONG_FROM, LONG_TO, rng)
         d = folder.dims
-        cache_mb = 2 * d.n_layer * d.n_head * d.head_dim * np.dtype(folder.kv_dtype).itemsize * (LONG_FROM + LONG_TO) / 2 / 1e6
+        cache_mb = (
+            2 * d.n_layer * d.n_head * d.head_dim * np.dtype(folder.kv_dtype).itemsize * (LONG_FROM + LONG_TO) / 2 / 1e6
+        )
         row = {
             "folder": path.name,
             "kv_cache": folder.kv_cache,
@@ -67,11 +69,15 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         del lm
-    print(f"\n| folder | cache | KV dtype | ms/token 16-80 | ms/token 512-1024 | attention share | cache read (MB, mean) |")
+    print(
+        f"\n| folder | cache | KV dtype | ms/token 16-80 | ms/token 512-1024 | attention share | cache read (MB, mean) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['folder']} | {r['kv_cache']} | {r['kv_dtype']} | {r['ms_short']} | {r['ms_long']} | "
-              f"{r['attention_share'] * 100:.0f} % | {r['cache_mb_mean']} |")
+        print(
+            f"| {r['folder']} | {r['kv_cache']} | {r['kv_dtype']} | {r['ms_short']} | {r['ms_long']} | "
+            f"{r['attention_share'] * 100:.0f} % | {r['cache_mb_mean']} |"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 
