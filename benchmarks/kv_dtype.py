@@ -70,7 +70,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del lm
     print(
-        f"\n| folder | cache | KV dtype | ms/token 16-80 | ms/token 512-1024 | attention share | cache read (MB, mean) |"
+        "\n| folder | cache | KV dtype | ms/token 16-80 | ms/token 512-1024 | attention share | cache read (MB, mean) |"
     )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
