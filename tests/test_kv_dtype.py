@@ -209,3 +209,17 @@ def test_genai_takes_an_fp16_cache(compact, tmp_path):
     while not gen.is_done():
         gen.generate_next_token()
     assert [int(t) for t in gen.get_sequence(0)[len(r.prompt_token_ids) :]] == r.token_ids
+
+
+def test_server_admits_more_rows_with_a_smaller_cache(compact, fp32, monkeypatch):
+    from types import SimpleNamespace
+
+    from gpt2edge.serve.scheduling import rows
+
+    full = ModelFolder.open(fp32["concat"], verify=False)
+    small = ModelFolder.open(compact["concat", "int8"], verify=False)
+    per_row = generation_estimate(full, [[0]], full.n_positions).total
+    monkeypatch.setattr(rows, "available_bytes", lambda: int(4.5 * per_row / rows.SHARE))
+    n_full, _ = rows.serving_rows(SimpleNamespace(lm=object(), folder=full), None)
+    n_small, why = rows.serving_rows(SimpleNamespace(lm=object(), folder=small), None)
+    assert n_full == 4 and n_small >= 3 * n_full and why == rows.MEMORY
