@@ -223,3 +223,15 @@ def test_server_admits_more_rows_with_a_smaller_cache(compact, fp32, monkeypatch
     n_full, _ = rows.serving_rows(SimpleNamespace(lm=object(), folder=full), None)
     n_small, why = rows.serving_rows(SimpleNamespace(lm=object(), folder=small), None)
     assert n_full == 4 and n_small >= 3 * n_full and why == rows.MEMORY
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantizing_a_compact_export_keeps_its_cache(compact, kind, tmp_path):
+    from gpt2edge.quantize import make_recipe, quantize_model
+
+    m = quantize_model(compact[kind, "int8"], tmp_path / "q", make_recipe("int4"), report=False)
+    assert m["graph"]["kv_dtype"] == "int8" and m["graph"]["kv_quantization"]["granularity"] == "per-tensor"
+    assert past_types(tmp_path / "q") == {onnx.TensorProto.INT8}
+    a = score(compact[kind, "int8"], PROMPTS[0] + " and the old castle")
+    b = score(tmp_path / "q", PROMPTS[0] + " and the old castle")
+    assert np.all(np.isfinite(b.token_logprobs[1:])) and len(b.token_logprobs) == len(a.token_logprobs)

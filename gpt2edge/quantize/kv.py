@@ -10,12 +10,14 @@ shared graphs: GroupQueryAttention reads and writes the cache in place in its ow
   Runtime's quantized-KV GroupQueryAttention (k_quant_type / v_quant_type PER_CHANNEL, kv_cache_bit_width 8,
   k_scale / v_scale): it quantizes the new entries as it writes them and dequantizes as it reads.
 
-int8 scales are static, symmetric, one per (layer, key or value, head, channel): the largest |entry| of a
-calibration prefill (the built-in sample text) / 127, entries beyond it saturate. Static scales keep the cache
-one int8 tensor per key and value (no scale tensors beside it): the runtime binds it like any other cache, IO
-binding and the in-place cache unchanged. Per-token scales would need a second cache tensor of scales, which
-GroupQueryAttention does not take; per-channel was measured against per-head and per-tensor scales on the trained
-model (benchmarks/README.md, "Compact KV cache").
+int8 scales are static and symmetric: the largest |entry| of a calibration prefill (the built-in sample text)
+/ 127, entries beyond it saturate; one per (layer, key or value) by default, stored as a (1, n_head, 1, head_dim)
+array (GroupQueryAttention's PER_CHANNEL form) so that per-head and per-channel scales use the same graph.
+Per-tensor was measured against per-head and per-(head, channel) scales on the trained model and had the lowest
+error (benchmarks/README.md, "Compact KV cache": a tight static scale clips what the calibration text did not
+show). Static scales keep the cache one int8 tensor per key and value (no scale tensors beside it): the runtime
+binds it like any other cache, IO binding and the in-place cache unchanged. Per-token scales would need a second
+cache tensor of scales, which GroupQueryAttention does not take.
 """
 
 from __future__ import annotations
@@ -48,9 +50,12 @@ def kv_dtype_of(choice: str) -> str:
     return KV_DTYPES[choice]
 
 
-def calibrate(graph_path: Path, tokens: list[int], granularity: str = DEFAULT_GRANULARITY) -> list[np.ndarray]:
+def calibrate(
+    graph_path: Path, tokens: list[int], granularity: str = DEFAULT_GRANULARITY, shared: bool = False
+) -> list[np.ndarray]:
     """int8 scales, one (1, nh, 1, hs) float32 array per past tensor (key_0, value_0, ...): each the largest
-    |entry| the fp32 graph writes for a prefill of `tokens`, / 127, reduced to the granularity asked."""
+    |entry| the fp32 graph writes for a prefill of `tokens`, / 127, reduced to the granularity asked. `shared`: a
+    shared-cache graph, whose past is a buffer."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -61,9 +66,6 @@ def calibrate(graph_path: Path, tokens: list[int], granularity: str = DEFAULT_GR
     present = [o.name for o in sess.get_outputs() if o.name.startswith(_PRESENT)]
     T = len(tokens)
     _, nh, _, hs = inputs[past[0]].shape
-    shared = any(
-        n.op_type == "GroupQueryAttention" for n in onnx.load(str(graph_path), load_external_data=False).graph.node
-    )
     feed: dict[str, np.ndarray] = {
         "input_ids": np.array([tokens], np.int64),
         "attention_mask": np.ones((1, T), np.int64),
@@ -214,8 +216,9 @@ def compact_folder_graph(folder: Path, kv_dtype: str, tokens: list[int] | None, 
     manifest = read_manifest(folder)
     graph = dict(manifest["graph"])
     path = Path(folder) / graph["file"]
-    scales = calibrate(path, tokens, granularity) if kv_dtype == "int8" else None
     model = load_graph(path)
+    shared = any(n.op_type == "GroupQueryAttention" for n in model.graph.node)
+    scales = calibrate(path, tokens, granularity, shared) if kv_dtype == "int8" else None
     rewrite(model, kv_dtype, scales)
     part = path.with_name(path.name + ".kvpart")
     locations = external_locations(model)
@@ -224,8 +227,9 @@ def compact_folder_graph(folder: Path, kv_dtype: str, tokens: list[int] | None, 
         os.replace(part, path)
     else:  # weights inside the graph file (read from the old file as the new one is written)
         files = save_model(model, part, base_dir=path.parent)
+        if files != [part.name]:  # only a graph past 2 GB gets a data file, and such a graph keeps its own
+            raise QuantizeError(f"{path}: the rewritten graph would not fit in one file; re-export the model.")
         os.replace(part, path)
-        assert files == [part.name], files
     graph["kv_dtype"] = kv_dtype
     for io in ("inputs", "outputs"):
         graph[io] = [
