@@ -235,3 +235,24 @@ def test_quantizing_a_compact_export_keeps_its_cache(compact, kind, tmp_path):
     a = score(compact[kind, "int8"], PROMPTS[0] + " and the old castle")
     b = score(tmp_path / "q", PROMPTS[0] + " and the old castle")
     assert np.all(np.isfinite(b.token_logprobs[1:])) and len(b.token_logprobs) == len(a.token_logprobs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_saved_session_restores_a_compact_cache(compact, fp32, kind, tmp_path):
+    gen = Generator(compact[kind, "int8"])
+    greedy = dict(ignore_eos=True, do_sample=False, max_new_tokens=8)
+    a = gen.session()
+    a.generate(PROMPTS[0], **greedy)
+    path = a.save(tmp_path / "s.g2s")
+    want = a.generate(" and then", **greedy).token_ids
+    b = gen.session()
+    b.load(path)
+    assert b.generate(" and then", **greedy).token_ids == want
+    full = gen_session_file(fp32[kind], tmp_path / "f.g2s", greedy)
+    assert path.stat().st_size < full.stat().st_size / 3  # one byte per cached entry, not four
+
+
+def gen_session_file(folder: Path, path: Path, greedy: dict) -> Path:
+    s = Generator(folder).session()
+    s.generate(PROMPTS[0], **greedy)
+    return s.save(path)
