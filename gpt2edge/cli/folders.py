@@ -50,7 +50,7 @@ from gpt2edge.report_text import choose_report_text
     type=click.Choice(KV_DTYPE_CHOICES),
     default="fp32",
     show_default=True,
-    help="The KV cache's dtype: fp16 halves it, int8 (static per-channel scales) quarters it.",
+    help="The KV cache's dtype: fp16 halves it, int8 (static calibrated scales) quarters it.",
 )
 @click.option(
     "--opset",

@@ -32,11 +32,11 @@ ARM_TARGETS = ("arm64-sve", "arm64-i8mm", "arm64-dotprod", "arm64")  # best firs
 # x86-64 code run by the probe: each ends in `ret`; the AMX one gets its tile config's address in rdi
 _CODE = {
     # vpaddd ymm0, ymm0, ymm0; vzeroupper; ret
-    "avx2": "c5fdfec0c5f877c3",
+    "avx2": "c5fdfec0" "c5f877" "c3",
     # vpdpbusd zmm0, zmm0, zmm0 (AVX512-VNNI); vzeroupper; ret
-    "avx512-vnni": "62f27d4850c0c5f877c3",
+    "avx512-vnni": "62f27d4850c0" "c5f877" "c3",
     # ldtilecfg [rdi]; tilezero tmm0; tilerelease; ret
-    "amx": "c4e2784907c4e27b49c0c4e27849c0c3",
+    "amx": "c4e2784907" "c4e27b49c0" "c4e27849c0" "c3",
 }
 # flags each target needs in /proc/cpuinfo before it is worth probing
 _FLAGS = {"avx2": {"avx2", "fma"}, "avx512-vnni": {"avx512f", "avx512_vnni"}, "amx": {"amx_tile", "amx_int8"}}
