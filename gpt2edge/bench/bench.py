@@ -110,6 +110,7 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=None) -> dict[str, Any]:
         "cpu_emulated": cpu.emulated,  # why this CPU looks emulated, or null
         "precision": work.folder.precision,
         "kv_cache": work.folder.kv_cache,
+        "kv_dtype": work.folder.graph.kv_dtype,
         "vocab_size": dims["vocab_size"],
         "config": asdict(cfg),
         "prefill_ms": float(np.median(prefill)),
@@ -146,7 +147,7 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=None) -> dict[str, Any]:
 def bench_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     """The human-readable table of a bench record."""
     rows = [
-        ("model", f"{r['model']} ({r['precision']}, {r['kv_cache']} KV cache)"),
+        ("model", f"{r['model']} ({r['precision']}, {r['kv_cache']} KV cache in {r.get('kv_dtype', 'float32')})"),
         ("cpu", r.get("cpu") or "?"),
         (
             "workload",

@@ -9,7 +9,7 @@ import click
 from gpt2edge.cli.common import SEEDS, finite_range, friendly_errors, main, print_json, report_stream
 from gpt2edge.cli.paths import OutputPath
 from gpt2edge.convert import FORMATS
-from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, SUPPORTED_OPSETS
+from gpt2edge.export.options import DEFAULT_ATOL, DEFAULT_OPSET, KV_DTYPE_CHOICES, SUPPORTED_OPSETS
 from gpt2edge.export.random_checkpoint import SIZES
 from gpt2edge.extras import require_extra
 from gpt2edge.manifest.records import HEAD_MODES, KV_CACHE_MODES
@@ -44,6 +44,13 @@ from gpt2edge.report_text import choose_report_text
     default="concat",
     show_default=True,
     help="concat: Optimum's past/present contract; shared: the CPU fast path (cache updated in place).",
+)
+@click.option(
+    "--kv-dtype",
+    type=click.Choice(KV_DTYPE_CHOICES),
+    default="fp32",
+    show_default=True,
+    help="The KV cache's dtype: fp16 halves it, int8 (static calibrated scales) quarters it.",
 )
 @click.option(
     "--opset",
@@ -81,7 +88,7 @@ from gpt2edge.report_text import choose_report_text
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout (the table on stderr).")
 @friendly_errors
 def export(
-    source, out, head, kv_cache, opset, validate, atol, force, revision, tokenizer, static, text_file, as_json
+    source, out, head, kv_cache, kv_dtype, opset, validate, atol, force, revision, tokenizer, static, text_file, as_json
 ) -> None:
     """Export checkpoint -m SOURCE to the folder OUT (ONNX graph, tokenizer, configs, manifest).
 
@@ -93,6 +100,7 @@ def export(
         out,
         head=head,
         kv_cache=kv_cache,
+        kv_dtype=kv_dtype,
         opset=opset,
         run_validation=validate,
         atol=atol,
@@ -177,6 +185,12 @@ def random_checkpoint(out, size, seed, tokenizer, force) -> None:
     help="CPU whose recipe sets the defaults above; native: this machine's, found by running each instruction "
     "set (not from its flags). Any folder runs on any CPU.",
 )
+@click.option(
+    "--kv-dtype",
+    type=click.Choice(KV_DTYPE_CHOICES),
+    default=None,
+    help="The new folder's KV cache dtype [default: MODEL_DIR's; fp16 for --mode fp16].",
+)
 @click.option("--no-report", is_flag=True, help="Skip the quality report.")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @click.option(
@@ -194,6 +208,7 @@ def quantize(
     symmetric,
     text_file,
     target,
+    kv_dtype,
     no_report,
     force,
     as_json,
@@ -208,7 +223,15 @@ def quantize(
     chosen = choose_report_text(text_file, [model_dir])
     log = report_stream(as_json)
     manifest = quantize_model(
-        model_dir, out, recipe, force=force, text=chosen.text, report=not no_report, log=log, text_source=chosen.source
+        model_dir,
+        out,
+        recipe,
+        force=force,
+        text=chosen.text,
+        report=not no_report,
+        log=log,
+        text_source=chosen.source,
+        kv_dtype=kv_dtype,
     )
     if chosen.note and not no_report:  # under the report it qualifies
         click.echo(chosen.note, file=log)

@@ -55,6 +55,12 @@ def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = 
             f"({folder.info.raw['sparse_head'].get('parent', {}).get('path', 'the folder it was built from')}) for "
             f"--format {fmt}, or use --format ort."
         )
+    if fmt == "genai" and folder.graph.kv_dtype == "int8":
+        # genai allocates and feeds the cache in the graph's dtype but has no int8 cache
+        raise ConvertError(
+            f"{src} has an int8 KV cache, which onnxruntime-genai does not allocate; convert an export made with "
+            "--kv-dtype fp16 or fp32 for --format genai, or use --format ort."
+        )
     if fmt == "ort":
         check_ort_size(folder.model_bytes(), src)
     if fmt == "web":

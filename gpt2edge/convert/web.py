@@ -81,6 +81,11 @@ def check_web(folder, src: Path) -> None:
             f"{src} is vocabulary-trimmed; the web runtime samples over the full vocabulary. Convert the untrimmed "
             "folder it came from."
         )
+    if folder.precision != "fp16" and folder.graph.kv_dtype != "float32":
+        raise ConvertError(
+            f"{src} has its KV cache in {folder.graph.kv_dtype} (--kv-dtype); the web runtime feeds a float32 cache. "
+            "Convert an export or variant made without --kv-dtype (--kv-dtype fp32)."
+        )
     if folder.precision == "fp16" or folder.graph.kv_dtype != "float32":
         raise ConvertError(
             f"{src} is an fp16 export; the web runtime runs graphs with a float32 KV cache. Convert the fp32 "

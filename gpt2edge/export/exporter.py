@@ -21,6 +21,7 @@ from gpt2edge.export.options import (
     DEFAULT_OPSET,
     StaticShape,
     check_atol,
+    check_kv_dtype,
     check_opset,
     check_static_capacity,
     check_static_options,
@@ -85,12 +86,15 @@ def export_model(
     static: str | StaticShape | None = None,
     log=sys.stderr,
     report_text: str | None = None,
+    kv_dtype: str = "fp32",
 ) -> ExportResult:
     """Export `source` (local folder or hub id) to `out`. Every check on the arguments runs before any work.
 
     `static` ("BATCHxCHUNKxCAPACITY" or a StaticShape): write static-shape prefill and decode graphs instead
     (gpt2edge.export.static). `log` receives the validation table (None: not printed). `report_text`: recorded
-    in the folder (quality_text.txt) for the quality reports of its variants and of parity (gpt2edge.report_text)."""
+    in the folder (quality_text.txt) for the quality reports of its variants and of parity (gpt2edge.report_text).
+    `kv_dtype` ("fp32", "fp16", "int8"): the KV cache's dtype (gpt2edge.quantize.kv): the graph is validated with a
+    float32 cache, then rewritten, and the KV effect (against the float32 cache) is measured when validating."""
     require_extra("export", "export")
     out = path_arg(out, "out")  # a TypeError names a wrong type
     source = str(path_arg(source, "source")) if not isinstance(source, str) else source
@@ -103,7 +107,8 @@ def export_model(
     check_atol(atol)
     shape = static if isinstance(static, StaticShape) or static is None else parse_static_spec(static)
     if shape is not None:
-        check_static_options(head, kv_cache)
+        check_static_options(head, kv_cache, kv_dtype)
+    check_kv_dtype(kv_dtype)
     sources = [source, tokenizer]  # local ones must not overlap OUT (a hub id matches no path)
     check_output_dir(out, force, sources)
     resolved = resolve_source(source, revision)  # a missing folder, an export folder, an offline hub id: refused now
@@ -198,6 +203,13 @@ def export_model(
                     "validation": {"atol": atol, "checks": checks_to_json(checks)} if run_validation else None,
                 },
             )
+            if kv_dtype != "fp32":
+                from gpt2edge.quantize.kv import KV_DTYPES, compact_kv_cache
+
+                steps.set_postfix_str(f"{kv_dtype} KV cache")
+                manifest = compact_kv_cache(
+                    tmp, manifest, KV_DTYPES[kv_dtype], report=run_validation, text=report_text, log=log
+                )
             steps.update()
     return ExportResult(path=out, manifest=manifest, checks=checks)
 

@@ -66,11 +66,24 @@ def check_static_capacity(shape: StaticShape, n_positions: int) -> None:
         )
 
 
-def check_static_options(head: str, kv_cache: str) -> None:
+KV_DTYPE_CHOICES = ("fp32", "fp16", "int8")  # --kv-dtype (gpt2edge.quantize.kv.KV_DTYPES)
+
+
+def check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype not in KV_DTYPE_CHOICES:
+        raise ExportError(f"Unknown --kv-dtype '{kv_dtype}'; choose one of {', '.join(KV_DTYPE_CHOICES)}.")
+
+
+def check_static_options(head: str, kv_cache: str, kv_dtype: str = "fp32") -> None:
     """A static graph is its own cache layout with a last-position head: refuse what does not combine."""
     if head != "last":
         raise ExportError("--static exports a generation graph; --head all (scoring) cannot be combined with it.")
     if kv_cache != "concat":
         raise ExportError(
             f"--static has its own fixed-capacity cache; --kv-cache {kv_cache} cannot be combined with it."
+        )
+    if kv_dtype != "fp32":
+        raise ExportError(
+            f"--static has its own fixed-capacity float32 cache; --kv-dtype {kv_dtype} cannot be combined with it "
+            "(export without --static for a compact cache)."
         )

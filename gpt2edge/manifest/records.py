@@ -27,7 +27,7 @@ GENERATION_CONFIG = "generation_config.json"
 
 # graph.precision (export writes fp32, quantize the others) and graph.kv_dtype
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
-KV_DTYPES = ("float32", "float16")
+KV_DTYPES = ("float32", "float16", "int8")
 # graph kinds a manifest may describe (graph.head, graph.kv_cache), and what computes attention in each
 # (graph.attention): the exporter writes these, the CLI offers them, the runtime checks them
 HEAD_MODES = ("last", "all", "tail")

@@ -47,9 +47,12 @@ def quantize_model(
     report: bool = True,
     log=sys.stderr,
     text_source: str | None = None,
+    kv_dtype: str | None = None,
 ) -> dict[str, Any]:
     """Write the `recipe` variant of export folder `src` to `out`; returns the new manifest. A `text` is recorded
-    in the new folder for later reports (gpt2edge.report_text); `text_source` names it in the report."""
+    in the new folder for later reports (gpt2edge.report_text); `text_source` names it in the report. `kv_dtype`
+    ("fp32", "fp16", "int8"; None: the parent's): the variant's KV cache (gpt2edge.quantize.kv), whose effect
+    against a float32 cache the report measures apart."""
     require_extra("quantize", "quantize")
     from gpt2edge.quality import check_report_text, compare_folders, print_report
 
@@ -83,6 +86,7 @@ def quantize_model(
             f"{src} is a shared-cache export (the CPU fast path); fp16 would put casts around its in-place cache. "
             "Make fp16 from a --kv-cache concat export, or use int8/int4 here."
         )
+    compact = _check_kv_dtype(src, kv_dtype, recipe.mode, info.graph.kv_dtype)
     # the blocks as the graph will hold them (tables, a default block fitted to the rows), or refused now
     recipe = recipe.fitted(info.dims.n_embd, info.dims.n_inner)
     check_output_dir(out, force, sources=[src])
@@ -127,6 +131,13 @@ def quantize_model(
                 record_text(tmp, text)
             bar.update()
             manifest = write_manifest(tmp, _variant_manifest(parent, src, recipe, files, tmp))
+            if compact is not None:
+                from gpt2edge.quantize.kv import compact_kv_cache
+
+                bar.set_postfix_str(f"{compact} KV cache")
+                manifest = compact_kv_cache(
+                    tmp, manifest, compact, report=report, text=text, text_source=text_source, log=log
+                )
             if report:
                 return_free_memory()  # the rewrite's freed arrays, before the report's sessions load on top
                 # measured on the finished folder, exactly as the runtime will load it
@@ -138,6 +149,29 @@ def quantize_model(
                 print_report(manifest["quality"], title=f"{recipe.mode} vs fp32", file=log)
                 manifest = write_manifest(tmp, manifest)
     return manifest
+
+
+def _check_kv_dtype(src: Path, choice: str | None, mode: str, parent_kv: str) -> str | None:
+    """The KV cache dtype the variant's graph is rewritten to (None: no rewrite), or a one-line refusal."""
+    from gpt2edge.quantize.kv import kv_dtype_of
+
+    if parent_kv != "float32":
+        if mode == "fp16" or (choice is not None and kv_dtype_of(choice) != parent_kv):
+            raise QuantizeError(
+                f"{src} already has a {parent_kv} KV cache (--kv-dtype at export); quantize an export with the "
+                f"float32 cache (export without --kv-dtype) and give --kv-dtype here."
+            )
+        return None
+    if choice is None or choice == "fp32":
+        return None
+    if mode == "fp16":
+        if choice != "fp16":
+            raise QuantizeError(
+                f"--mode fp16 keeps the KV cache in float16 with the rest of the graph; --kv-dtype {choice} applies "
+                "to int8/int4 (or export with --kv-dtype int8 and keep fp32 weights)."
+            )
+        return None
+    return kv_dtype_of(choice)
 
 
 def _variant_manifest(parent: dict, src: Path, recipe: Recipe, files: list[str], tmp: Path) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from gpt2edge.manifest.verified import verify_folder
 from gpt2edge.onnx_io.external_data import check_external_data
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 
-_DTYPES = {"float32": np.float32, "float16": np.float16}
+_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,8 @@ class OrtGraph:
     def _check_cache_inputs(self) -> None:
         """The graph's past inputs are the manifest's n_layer x (key, value) of (batch, n_head, past, head_dim) in its
         kv_dtype: a manifest edited or copied from another model is refused here, not by ONNX Runtime mid-decode."""
-        dtype = {"float32": "tensor(float)", "float16": "tensor(float16)"}.get(self.folder.graph.kv_dtype)
-        past = [i for i in self.session.get_inputs() if i.name in self.past_names]
+        past, kv = [i for i in self.session.get_inputs() if i.name in self.past_names], self.folder.graph.kv_dtype
+        dtype = {"float32": "tensor(float)", "float16": "tensor(float16)", "int8": "tensor(int8)"}.get(kv)
         for i in past:
             dims = list(i.shape) if len(i.shape) == 4 else [None, -1, None, -1]
             fixed = [(g, w) for g, w in ((dims[1], self.n_head), (dims[3], self.head_dim)) if isinstance(g, int)]
