@@ -75,6 +75,7 @@ def test_free_text_list_names_only_real_options():
 def library_choices() -> dict[tuple[str, str], tuple]:
     """(command, option) -> the library constant its click.Choice must offer (a second list would drift)."""
     from gpt2edge.convert import FORMATS
+    from gpt2edge.export.options import KV_DTYPE_CHOICES
     from gpt2edge.export.random_checkpoint import SIZES
     from gpt2edge.manifest import HEAD_MODES, KV_CACHE_MODES
     from gpt2edge.prompt_input import FORMATS as PROMPT_FORMATS
@@ -91,6 +92,8 @@ def library_choices() -> dict[tuple[str, str], tuple]:
     return {
         ("export", "head"): HEAD_MODES,
         ("export", "kv_cache"): KV_CACHE_MODES,
+        ("export", "kv_dtype"): KV_DTYPE_CHOICES,
+        ("quantize", "kv_dtype"): KV_DTYPE_CHOICES,
         ("random-checkpoint", "size"): tuple(SIZES),
         ("quantize", "mode"): MODES,
         ("quantize", "block_size"): BLOCK_SIZES,

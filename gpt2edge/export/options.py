@@ -66,7 +66,7 @@ def check_static_capacity(shape: StaticShape, n_positions: int) -> None:
         )
 
 
-KV_DTYPE_CHOICES = ("fp32", "fp16", "int8")  # --kv-dtype (gpt2edge.quantize.kv.KV_DTYPES)
+KV_DTYPE_CHOICES = ("fp32", "fp16", "int8")  # --kv-dtype of export and quantize (gpt2edge.quantize.kv.KV_DTYPES)
 
 
 def check_kv_dtype(kv_dtype: str) -> None:

@@ -32,9 +32,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from gpt2edge.errors import QuantizeError
+from gpt2edge.export.options import KV_DTYPE_CHOICES
 
-# --kv-dtype -> graph.kv_dtype
-KV_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "int8"}
+# --kv-dtype (export's and quantize's one list of choices) -> graph.kv_dtype
+KV_DTYPES = dict(zip(KV_DTYPE_CHOICES, ("float32", "float16", "int8"), strict=True))
 _ELEM = {"float16": TensorProto.FLOAT16, "int8": TensorProto.INT8}
 SCALE_GRANULARITIES = ("per-channel", "per-head", "per-tensor")
 DEFAULT_GRANULARITY = "per-tensor"  # measured best (benchmarks/README.md, "Compact KV cache")
