@@ -338,7 +338,12 @@ def test_sampling_follows_the_target_distribution(targets, drafts, drafter, monk
     kind = "concat" if drafter == "int4" else "shared"
     folder = targets[kind]
     spec_kw = {"draft": drafts["concat"]} if drafter == "int4" else {"prompt_lookup": 2}
-    spec = Generator(folder, draft_tokens=2, **spec_kw)
+    check_sampling_distribution(folder, Generator(folder, draft_tokens=2, **spec_kw), drafter, monkeypatch)
+
+
+def check_sampling_distribution(folder, spec: Generator, label: str, monkeypatch) -> None:
+    """Plain sampling on `folder` (the calibration) and speculative sampling with `spec` both pass the
+    chi-square test against the exact distribution; the two broken rules fail it."""
     prompt = _lookup_prompt(Generator(folder))
     dist = _exact_distribution(folder, prompt)
 
@@ -349,7 +354,7 @@ def test_sampling_follows_the_target_distribution(targets, drafts, drafter, monk
     spec_samples, state = _samples(spec, prompt)
     stat, limit, tv = _chi_square(spec_samples, dist)
     print(
-        f"{drafter}: chi-square {stat:.1f} (limit {limit:.1f}), TV {tv:.3f}, "
+        f"{label}: chi-square {stat:.1f} (limit {limit:.1f}), TV {tv:.3f}, "
         f"acceptance {state.stats.accepted}/{state.stats.drafted}"
     )
     assert state.stats.drafted > N_SAMPLES // 2 and 0 < state.stats.accepted < state.stats.drafted

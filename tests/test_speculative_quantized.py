@@ -11,18 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from test_speculative import (
-    N_SAMPLES,
-    PROMPTS,
-    TIE,
-    _accept_all,
-    _chi_square,
-    _exact_distribution,
-    _lookup_prompt,
-    _reject_from_p,
-    _samples,
-    assert_same_greedy,
-)
+from test_speculative import PROMPTS, TIE, assert_same_greedy, check_sampling_distribution
 
 from gpt2edge.manifest import KEEP_INPUT, read_manifest
 from gpt2edge.runtime import Generator
@@ -280,23 +269,4 @@ def test_sampling_follows_the_quantized_target_distribution(grid, case, monkeypa
     exact distribution of the quantized target, and the two broken rules fail it."""
     folder = grid["shared-int8"] if case == "int8-draft" else grid["concat-int4"]
     spec_kw = {"draft": grid["draft-int4"]} if case == "int8-draft" else {"prompt_lookup": 2}
-    spec = Generator(folder, draft_tokens=2, **spec_kw)
-    prompt = _lookup_prompt(Generator(folder))
-    dist = _exact_distribution(folder, prompt)
-
-    plain_samples, _ = _samples(Generator(folder), prompt)
-    stat, limit, tv = _chi_square(plain_samples, dist)
-    assert stat < limit, f"plain sampling: chi-square {stat:.1f} >= {limit:.1f} (TV {tv:.3f})"
-
-    spec_samples, state = _samples(spec, prompt)
-    stat, limit, tv = _chi_square(spec_samples, dist)
-    accepted = f"{state.stats.accepted}/{state.stats.drafted}"
-    print(f"{case}: chi-square {stat:.1f} (limit {limit:.1f}), TV {tv:.3f}, accepted {accepted}")
-    assert state.stats.drafted > N_SAMPLES // 2 and 0 < state.stats.accepted < state.stats.drafted
-    assert stat < limit, f"speculative sampling: chi-square {stat:.1f} >= {limit:.1f} (TV {tv:.3f})"
-
-    for broken in (_accept_all, _reject_from_p):
-        monkeypatch.setattr("gpt2edge.runtime.speculative.speculator.verify_sampled", broken)
-        samples, _ = _samples(spec, prompt, N_SAMPLES // 2)
-        caught = not set(samples) <= set(dist) or np.subtract(*_chi_square(samples, dist)[:2]) >= 0
-        assert caught, f"the test cannot tell {broken.__name__} from the rule"
+    check_sampling_distribution(folder, Generator(folder, draft_tokens=2, **spec_kw), case, monkeypatch)
