@@ -172,7 +172,7 @@ class Generator:
         req = resolved(self, prompt, options)
         prompts = [list(p) for p in req.prompts]
         if req.search.expands:
-            groups = self._generate_many(prompts, callback, req)
+            groups = self._generate_many(callback, req)
             if req.search.num_return_sequences == 1:
                 groups = [g[0] for g in groups]
             return groups[0] if req.single else groups
@@ -189,10 +189,10 @@ class Generator:
         return results[0] if req.single else results
 
     def _generate_many(
-        self, encoded: list[list[int]], callback: Callable[[Step], None] | None, req: GenerationRequest
+        self, callback: Callable[[Step], None] | None, req: GenerationRequest
     ) -> list[list[GenerationResult]]:
         """Beam search or several samples per prompt: num_return_sequences results per prompt."""
-        params, search, compiled = req.params, req.search, req.constraint
+        encoded, params, search, compiled = [list(p) for p in req.prompts], req.params, req.search, req.constraint
         with self._pool.lease() as lm:
             if search.num_beams > 1:
                 state = BeamState(prompts=encoded, params=params, search=search, constraint=compiled)

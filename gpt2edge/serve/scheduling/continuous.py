@@ -175,16 +175,17 @@ class ContinuousScheduler(Scheduler):
                 tokens = live.group.choose(lp, rows)
                 for i, j in enumerate(rows):
                     if j is not None:
-                        self._pending[cache_rows[j]] = self._take(live, i, int(tokens[i]), lp[j : j + 1])
+                        self._take(live, i, int(tokens[i]), lp[j : j + 1])
+                        self._pending[cache_rows[j]] = int(tokens[i])  # what the row feeds at the next step
             except Gpt2EdgeError as e:  # this job's constraint cannot go on (e.g. no token left): it alone fails
                 fail([live.job], str(e))
             except Exception as e:  # the engine's own failure (llguidance raises plain exceptions): it alone fails
                 log.exception("a row of a job failed at sampling")
                 fail([live.job], f"sampling failed: {type(e).__name__}: {e}")
 
-    def _take(self, live: _Live, i: int, token: int, scores: np.ndarray) -> int:
+    def _take(self, live: _Live, i: int, token: int, scores: np.ndarray) -> None:
         """Row i of the job takes its token (scores: its (1, W) log-probs, for the recorded log-probs); the new
-        text goes to the client. Returns the token the row feeds at the next step."""
+        text goes to the client."""
         reason = live.group.push(i, token)
         record = None
         if live.recorder is not None:
@@ -193,7 +194,6 @@ class ContinuousScheduler(Scheduler):
         row = live.job.rows[i]
         if not row.done and not live.job.cancelled:
             advance(row, reason, record)
-        return token
 
     def _release(self) -> None:
         """Free the cache rows of finished rows and of clients that left (the last row moves into the hole)."""
