@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from gpt2edge.bench import BenchConfig, run_bench
-from gpt2edge.manifest import read_manifest, write_manifest
+from gpt2edge.manifest import load_manifest, write_manifest
 from gpt2edge.quantize import make_recipe, quantize_model
 
 
@@ -24,7 +24,7 @@ def dynamic_int8(src: Path, out: Path) -> Path:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     out.mkdir()
-    manifest = read_manifest(src)
+    manifest = dict(load_manifest(src).raw)
     for name in manifest["files"]:
         if name != manifest["graph"]["file"]:
             shutil.copy2(src / name, out / name)

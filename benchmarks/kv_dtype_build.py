@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from gpt2edge.export import export_model, make_random_checkpoint
-from gpt2edge.manifest import read_manifest
+from gpt2edge.manifest import load_manifest
 from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.quantize.kv import compact_kv_cache, twin_folder
 
@@ -33,7 +33,7 @@ def main(size: str, root: Path) -> None:
             if out.exists():
                 continue
             twin = twin_folder(int4)  # hard links: no bytes copied; the rewrite replaces the graph file
-            compact_kv_cache(twin, read_manifest(twin), kv, report=False)
+            compact_kv_cache(twin, dict(load_manifest(twin).raw), kv, report=False)
             twin.rename(out)
     if ckpt.exists():
         shutil.rmtree(ckpt)

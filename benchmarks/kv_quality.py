@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from gpt2edge.export import export_model
-from gpt2edge.manifest import read_manifest, write_manifest
+from gpt2edge.manifest import load_manifest, write_manifest
 from gpt2edge.quality import compare_folders
 from gpt2edge.quantize.kv import calibration_tokens, compact_folder_graph
 
@@ -29,7 +29,7 @@ for kind in ("concat", "shared"):
         shutil.rmtree(dst, ignore_errors=True)
         shutil.copytree(src, dst)
         g = compact_folder_graph(dst, dt, tok, gran or "per-channel")
-        m = read_manifest(dst)
+        m = dict(load_manifest(dst).raw)
         m["graph"] = g
         write_manifest(dst, m)
         r = compare_folders(src, dst, text=held)

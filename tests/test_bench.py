@@ -15,7 +15,7 @@ import gpt2edge.bench.bench as bench_module
 import gpt2edge.bench.probe as probe_module
 from gpt2edge.cli import main
 from gpt2edge.errors import GenerationError
-from gpt2edge.manifest import read_manifest
+from gpt2edge.manifest import load_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_bench_json_fields_are_plausible(tiny_export, llc):
     assert rec["prefill_ms_best"] <= rec["prefill_ms"]
     assert rec["decode_ms_best_run"] <= rec["decode_ms_p90"]
     assert rec["decode_vs_floor_best_run"] == pytest.approx(rec["decode_ms_best_run"] / rec["decode_floor_ms"])
-    manifest = read_manifest(tiny_export)
+    manifest = dict(load_manifest(tiny_export).raw)
     assert rec["model_bytes"] == manifest["files"]["model.onnx"]["size"]
     assert rec["bytes_read_per_step"] > manifest["graph"]["decode_weight_bytes"]  # weights + KV cache
     assert rec["config"]["repeat"] == 2 and rec["precision"] == "fp32"
@@ -101,7 +101,7 @@ def test_sweep_and_plot(tiny_export, tmp_path):
     assert r.exit_code == 0, r.output
     rec = json.loads(r.stdout)
     contexts = [row["context"] for row in rec["sweep"]]
-    assert contexts[0] == 32 and contexts[-1] == read_manifest(tiny_export)["dims"]["n_positions"] - 8
+    assert contexts[0] == 32 and contexts[-1] == load_manifest(tiny_export).raw["dims"]["n_positions"] - 8
     assert all(row["decode_ms_per_token"] == row["decode_ms_per_token_median"] > 0 for row in rec["sweep"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpt2edge.export.validate import hf_step, position_ids_from_mask
-from gpt2edge.manifest import file_digest, read_manifest
+from gpt2edge.manifest import file_digest, load_manifest
 
 ATOL = 1e-4  # fp32 log-probs and presents vs PyTorch (docs/parity.md)
 
@@ -109,11 +109,11 @@ def test_head_all_matches_pytorch_at_every_real_position(tiny_export_all, hf_mod
     ref_lp, _ = hf_step(hf_model, *map(torch.from_numpy, (ids, mask, pos)), None)
     assert out[0].shape == (2, 10, cfg.vocab_size)
     assert np.abs(out[0] - ref_lp.numpy())[mask.astype(bool)].max() < ATOL
-    assert read_manifest(tiny_export_all)["graph"]["head"] == "all"
+    assert load_manifest(tiny_export_all).raw["graph"]["head"] == "all"
 
 
 def test_manifest_checksums_and_contents(tiny_export, tiny_checkpoint):
-    manifest = read_manifest(tiny_export)
+    manifest = dict(load_manifest(tiny_export).raw)
     assert set(manifest["files"]) == {"model.onnx", "tokenizer.json", "config.json", "generation_config.json"}
     for rel, digest in manifest["files"].items():
         assert file_digest(tiny_export / rel) == digest

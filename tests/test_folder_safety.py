@@ -22,7 +22,7 @@ from gpt2edge import folder as folder_mod
 from gpt2edge.cli import main
 from gpt2edge.errors import ModelFolderError, OutputExistsError
 from gpt2edge.export import exporter, onnx_graph
-from gpt2edge.manifest import MANIFEST_NAME, file_digest, read_manifest
+from gpt2edge.manifest import MANIFEST_NAME, file_digest, load_manifest
 from gpt2edge.quantize import handler
 from gpt2edge.quantize.handler import make_recipe, quantize_model
 from gpt2edge.runtime import Generator, ModelFolder
@@ -131,7 +131,7 @@ def test_force_replaces_an_export_and_an_empty_folder(tiny_export, tmp_path):
         else:
             out.mkdir()
         quick_quantize(tiny_export, out, force=True)
-        assert read_manifest(out)["graph"]["precision"] == "int8"
+        assert load_manifest(out).raw["graph"]["precision"] == "int8"
     assert hidden(tmp_path) == []
 
 
@@ -295,7 +295,7 @@ def test_no_verify_still_checks_every_loaded_file_exists(tiny_export, tmp_path, 
 
 def test_manifest_is_typed_and_frozen(tiny_export):
     f = ModelFolder.open(tiny_export)
-    m = read_manifest(tiny_export)
+    m = dict(load_manifest(tiny_export).raw)
     assert f.dims.n_layer == f.dims["n_layer"] == m["dims"]["n_layer"] == 2
     assert f.dims.head_dim == m["dims"]["n_embd"] // m["dims"]["n_head"]
     assert f.graph.file == "model.onnx" and f.graph.files == ("model.onnx",)

@@ -115,3 +115,32 @@ def test_runtime_imports_nothing_above_it(module):
 def test_runtime_modules_stay_small():
     long = {m: n for m, p in RUNTIME.items() if (n := len(p.read_text().splitlines())) > MAX_RUNTIME_LINES}
     assert long == {}
+
+
+def _in(module: str, rooms: tuple[str, ...]) -> bool:
+    return any(module == r or module.startswith(r + ".") for r in rooms)
+
+
+# the ground every layer stands on: it imports nothing above it (and onnx_io sits below manifest)
+GROUND = (
+    "gpt2edge.errors", "gpt2edge.api_args", "gpt2edge.manifest", "gpt2edge.folder", "gpt2edge.onnx_io",
+    "gpt2edge.resources", "gpt2edge.memory", "gpt2edge.input_limits",
+)  # fmt: skip
+# rooms each room must not import: (room, forbidden rooms)
+ONE_WAY = (
+    ("gpt2edge.onnx_io", ("gpt2edge.manifest", "gpt2edge.folder")),
+    ("gpt2edge.quality", ("gpt2edge.trim", "gpt2edge.quantize", "gpt2edge.sparse", "gpt2edge.convert")),
+)
+GRAPH = import_graph(MODULES)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _in(m, GROUND)))
+def test_the_ground_imports_nothing_above_it(module):
+    bad = sorted(d for d in GRAPH[module] if d != "gpt2edge" and not _in(d, GROUND))
+    assert bad == [], f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize(("room", "forbidden"), ONE_WAY, ids=[room for room, _ in ONE_WAY])
+def test_rooms_import_one_way(room, forbidden):
+    bad = sorted((m, d) for m in MODULES if _in(m, (room,)) for d in GRAPH[m] if _in(d, forbidden))
+    assert bad == []

@@ -21,7 +21,7 @@ from onnx import helper, numpy_helper
 
 from gpt2edge.cli import main
 from gpt2edge.errors import QuantizeError
-from gpt2edge.manifest import digest_folder, read_manifest
+from gpt2edge.manifest import digest_folder, load_manifest
 from gpt2edge.quality import compare_folders
 from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.quantize.primitives import dequantize_blockwise, quantize_blockwise
@@ -48,7 +48,7 @@ def _quantize(src, out, mode, **kw):
 @pytest.mark.parametrize("mode", ["fp16", "int8", "int4"])
 def test_variant_generates_and_meets_thresholds(variants, mode):
     folder = variants[mode]
-    manifest = read_manifest(folder)
+    manifest = dict(load_manifest(folder).raw)
     q = manifest["quality"]
     limits = THRESHOLDS[mode]
     assert q["mean_kl"] <= limits["mean_kl"], q
@@ -66,14 +66,14 @@ def test_fp16_has_half_cache_and_float_logprobs(variants):
     sess = g.lm.session
     assert sess.get_outputs()[0].type == "tensor(float)"
     assert sess.get_inputs()[3].type == "tensor(float16)"
-    assert read_manifest(variants["fp16"])["graph"]["kv_dtype"] == "float16"
+    assert load_manifest(variants["fp16"]).raw["graph"]["kv_dtype"] == "float16"
     g.generate("The river", max_new_tokens=6, ignore_eos=True)
     assert g.lm.cache.allocations == 1
 
 
 def test_manifest_records_recipe_parent_and_sizes(variants, tiny_export):
-    parent = read_manifest(tiny_export)
-    m = read_manifest(variants["int4"])
+    parent = dict(load_manifest(tiny_export).raw)
+    m = dict(load_manifest(variants["int4"]).raw)
     q = m["quantization"]
     # the default block 256 fits the tiny model's 64-wide rows as 64 (test_default_block_divides_every_row)
     assert q["recipe"]["mode"] == "int4" and q["recipe"]["block_size"] == 64 and q["recipe"]["head_bits"] == 8
@@ -100,11 +100,11 @@ def test_report_is_computed_not_copied(variants, tmp_path):
     arr[:, :] *= 8.0  # one matrix's scales blown up
     scales.CopyFrom(numpy_helper.from_array(arr, scales.name))
     onnx.save(model, str(corrupted / "model.onnx"))
-    fp32 = read_manifest(variants["int8"])["quantization"]["parent"]["path"]
+    fp32 = load_manifest(variants["int8"]).raw["quantization"]["parent"]["path"]
     good = compare_folders(fp32, variants["int8"])
     bad = compare_folders(fp32, corrupted)
     assert bad["mean_kl"] > 10 * good["mean_kl"]
-    assert good["mean_kl"] == pytest.approx(read_manifest(variants["int8"])["quality"]["mean_kl"], rel=1e-6)
+    assert good["mean_kl"] == pytest.approx(load_manifest(variants["int8"]).raw["quality"]["mean_kl"], rel=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +131,12 @@ def wide_export(tmp_path_factory):
 @pytest.mark.parametrize("mode, limit", [("int8", 0.30), ("int4", 0.20)])
 def test_file_size_ratio(wide_export, tmp_path, mode, limit):
     quantize_model(wide_export, tmp_path / mode, make_recipe(mode), report=False)
-    ratio = read_manifest(tmp_path / mode)["quantization"]["ratio"]
+    ratio = load_manifest(tmp_path / mode).raw["quantization"]["ratio"]
     assert ratio <= limit, f"{mode} file is {ratio:.1%} of fp32"
 
 
 def test_tied_table_stored_once_and_keep_head_fp32(variants, tiny_export, tmp_path):
-    vocab = read_manifest(tiny_export)["dims"]["vocab_size"]
+    vocab = load_manifest(tiny_export).raw["dims"]["vocab_size"]
     model = onnx.load(str(variants["int8"] / "model.onnx"))
     big = [i.name for i in model.graph.initializer if i.dims and i.dims[0] == vocab and len(i.dims) == 3]
     assert big == ["wte.weight.q8"]  # packed once, read by the head MatMulNBits and the embedding Gather
@@ -204,7 +204,7 @@ def test_symmetric_switch_drops_zero_points(variants, tiny_export, tmp_path):
     out = tmp_path / "int4-sym"
     r = quantize_cli(tiny_export, "-o", out, "--mode", "int4", "--symmetric", "--no-report")
     assert r.exit_code == 0, r.output
-    assert read_manifest(out)["quantization"]["recipe"]["symmetric"] is True
+    assert load_manifest(out).raw["quantization"]["recipe"]["symmetric"] is True
     assert _zero_point_tables(out) == []
     # the symmetric form's quality, through the same report as the default's
     q = compare_folders(tiny_export, out)
@@ -219,7 +219,7 @@ def test_symmetric_switch_drops_zero_points(variants, tiny_export, tmp_path):
 
 def test_int4_head_bits_4(tiny_export, tmp_path):
     out = _quantize(tiny_export, tmp_path / "h4", "int4", head_bits=4)
-    assert read_manifest(out)["quantization"]["recipe"]["head_bits"] == 4
+    assert load_manifest(out).raw["quantization"]["recipe"]["head_bits"] == 4
     Generator(out).generate("The", max_new_tokens=4)
 
 
@@ -415,7 +415,7 @@ def test_parity_refuses_folders_of_another_model_before_any_work(tiny_export, tm
 
 def test_quality_report_names_the_final_folder(variants):
     for folder in variants.values():
-        q = read_manifest(folder)["quality"]
+        q = load_manifest(folder).raw["quality"]
         assert q["variant"] == str(folder), q["variant"]  # not the temporary .out.tmp-… it was measured in
 
 

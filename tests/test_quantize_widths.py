@@ -13,7 +13,7 @@ from onnx import helper
 
 from gpt2edge.cli import main
 from gpt2edge.errors import QuantizeError
-from gpt2edge.manifest import read_manifest
+from gpt2edge.manifest import load_manifest
 from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.runtime import Generator
 
@@ -68,7 +68,7 @@ def graph_recipe(folder, vocab: int) -> dict:
 
 
 def assert_recipe_is_the_graph(folder) -> dict:
-    manifest = read_manifest(folder)
+    manifest = dict(load_manifest(folder).raw)
     recipe = manifest["quantization"]["recipe"]
     held = graph_recipe(folder, manifest["dims"]["vocab_size"])
     for key, values in held.items():

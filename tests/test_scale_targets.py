@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpt2edge.cli import main
-from gpt2edge.manifest import read_manifest
+from gpt2edge.manifest import load_manifest
 from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.quantize import targets as tg
 
@@ -56,7 +56,7 @@ def test_folder_for_any_target_runs_here_within_thresholds(tiny_export, tmp_path
     assert recipe["target"] == target and manifest["quantization"]["cpu"]["target"] == tg.detect().target
     q = manifest["quality"]
     assert q["mean_kl"] <= THRESHOLDS[mode]["mean_kl"] and q["top1_agreement"] >= THRESHOLDS[mode]["top1"], q
-    assert read_manifest(out)["quantization"]["recipe"]["target"] == target  # the folder loads with its record
+    assert load_manifest(out).raw["quantization"]["recipe"]["target"] == target  # the folder loads with its record
     if mode == "int8" and target == "amx":
         assert recipe["layer_op"] == "com.microsoft.DynamicQuantizeMatMul"
     res = CliRunner().invoke(main, ["generate", str(out), "-p", "Hello", "--max-new-tokens", "4", "--seed", "0"])

@@ -26,7 +26,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed: pip ins
 pytest.importorskip("uvicorn", reason="the serve extra is not installed: pip install 'gpt2edge[serve]'")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
 
-from gpt2edge.manifest import read_manifest, write_manifest  # noqa: E402
+from gpt2edge.manifest import load_manifest, write_manifest  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, TokenLogprob  # noqa: E402
 from gpt2edge.runtime.decoding.row_decoder import RowDecoder  # noqa: E402
@@ -182,7 +182,7 @@ def test_a_folder_asking_for_beams_and_bans_is_served_with_openai_semantics(tiny
     path = folder / "generation_config.json"
     extra = dict(num_beams=4, num_return_sequences=2, no_repeat_ngram_size=2, typical_p=0.5, bad_words_ids=[[11]])
     path.write_text(json.dumps({**json.loads(path.read_text()), **extra}))
-    write_manifest(folder, read_manifest(folder))
+    write_manifest(folder, dict(load_manifest(folder).raw))
     with running(folder, max_batch=8, batch_wait_ms=10) as (url, _):
         r = post(url, {"prompt": PROMPTS[:2], "max_tokens": 12, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
@@ -852,7 +852,7 @@ def test_a_folders_min_p_does_not_leak_into_sampled_requests(tiny_export, ref, t
     shutil.copytree(tiny_export, folder)
     path = folder / "generation_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "min_p": 0.9, "do_sample": True}))
-    write_manifest(folder, read_manifest(folder))
+    write_manifest(folder, dict(load_manifest(folder).raw))
     body = {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 1.5, "top_p": 1.0, "ignore_eos": True}
     with running(folder, max_batch=8, batch_wait_ms=10) as (url, _):
         texts = {s: post(url, dict(body, seed=s)).json()["choices"][0]["text"] for s in range(3)}

@@ -13,7 +13,7 @@ import torch
 
 from gpt2edge.errors import DeviceError, ModelFolderError, QuantizeError
 from gpt2edge.export.validate import hf_step, position_ids_from_mask
-from gpt2edge.manifest import read_manifest
+from gpt2edge.manifest import load_manifest
 from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.decoding.generate import left_pad
@@ -24,7 +24,7 @@ ATOL = 1e-4
 
 
 def test_manifest_and_validation(tiny_export_shared):
-    m = read_manifest(tiny_export_shared)
+    m = dict(load_manifest(tiny_export_shared).raw)
     assert m["graph"]["kv_cache"] == "shared"
     assert all(c["ok"] for c in m["validation"]["checks"]) and len(m["validation"]["checks"]) == 4
     assert m["graph"]["attention"] == "com.microsoft.GroupQueryAttention"
@@ -35,7 +35,7 @@ def test_manifest_and_validation(tiny_export_shared):
 def test_one_fused_attention_node_per_layer_and_no_cache_concat(tiny_export_shared):
     graph = onnx.load(str(tiny_export_shared / "model.onnx"), load_external_data=False).graph
     ops = [n.op_type for n in graph.node]
-    n_layer = read_manifest(tiny_export_shared)["dims"]["n_layer"]
+    n_layer = load_manifest(tiny_export_shared).raw["dims"]["n_layer"]
     assert ops.count("GroupQueryAttention") == n_layer
     assert "Concat" not in ops and "Softmax" not in ops  # attention lives inside the fused node
     # every norm is the standard LayerNormalization (ln_1, ln_2 per layer, ln_f), none the slower fused one
@@ -132,7 +132,7 @@ def test_batch_of_several_tokens_on_a_past_runs_row_by_row(tiny_export, tiny_exp
 
 def test_quantized_shared_variant_runs(tiny_export_shared, tmp_path):
     quantize_model(tiny_export_shared, tmp_path / "q", make_recipe("int4"))
-    m = read_manifest(tmp_path / "q")
+    m = dict(load_manifest(tmp_path / "q").raw)
     assert m["graph"]["kv_cache"] == "shared" and m["quality"]["top1_agreement"] >= 0.5
     assert len(Generator(tmp_path / "q").generate("The", max_new_tokens=6, ignore_eos=True).token_ids) == 6
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gpt2edge.errors import ConvertError, GenerationError, ModelFolderError, QuantizeError
-from gpt2edge.manifest import KEEP_INPUT, read_manifest, write_manifest
+from gpt2edge.manifest import KEEP_INPUT, load_manifest, write_manifest
 from gpt2edge.runtime import Generator, SamplingParams
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import OrtLM
@@ -78,7 +78,7 @@ def stranger(tmp_path_factory) -> Path:
 
 def test_tail_export_has_a_keep_input_and_validates(targets):
     for path in targets.values():
-        m = read_manifest(path)
+        m = dict(load_manifest(path).raw)
         assert m["graph"]["head"] == "tail"
         assert m["graph"]["inputs"][-1] == {"name": KEEP_INPUT, "dtype": "int64", "shape": ["keep"]}
         assert m["graph"]["outputs"][0]["shape"][:2] == ["batch", "keep"]
@@ -422,7 +422,7 @@ def _copy_with(src: Path, dst: Path, manifest_edit=None, tokenizer_edit=None) ->
         tok = json.loads((dst / "tokenizer.json").read_text())
         tokenizer_edit(tok)
         (dst / "tokenizer.json").write_text(json.dumps(tok))
-    m = read_manifest(dst)
+    m = dict(load_manifest(dst).raw)
     if manifest_edit is not None:
         manifest_edit(m)
     write_manifest(dst, m)

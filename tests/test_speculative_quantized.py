@@ -13,7 +13,7 @@ import onnx
 import pytest
 from test_speculative import PROMPTS, TIE, assert_same_greedy, check_sampling_distribution
 
-from gpt2edge.manifest import KEEP_INPUT, read_manifest
+from gpt2edge.manifest import KEEP_INPUT, load_manifest
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import OrtLM
@@ -89,7 +89,7 @@ def grid(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
 
 def _tie(folder: Path) -> float:
     """The top-two gap under which greedy picks may split: NEAR_TIE with int8 activations, else fp32's TIE."""
-    return NEAR_TIE if read_manifest(folder)["quantization"]["recipe"]["accuracy_level"] == 4 else TIE
+    return NEAR_TIE if load_manifest(folder).raw["quantization"]["recipe"]["accuracy_level"] == 4 else TIE
 
 
 # --- quantize: the tail head --------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ def test_a_quantized_tail_export_is_the_last_head_recipe_plus_the_keep_input(gri
     packed table (no fp32 copy, no Transpose); at the last position the log-probs equal, bit for bit, those of
     the same recipe on the --head last export, prefill and decode."""
     tail, last = grid[f"{kv}-{mode}"], grid[f"last-{kv}-{mode}"]
-    m, m_last = read_manifest(tail), read_manifest(last)
+    m, m_last = dict(load_manifest(tail).raw), dict(load_manifest(last).raw)
     assert m["graph"]["head"] == "tail" and m["graph"]["precision"] == mode
     assert m["graph"]["inputs"][-1] == {"name": KEEP_INPUT, "dtype": "int64", "shape": ["keep"]}
     assert m["graph"]["outputs"][0]["shape"][:2] == ["batch", "keep"]
@@ -141,7 +141,7 @@ def test_quantize_tail_keeps_a_fp32_head_with_keep_head_fp32(grid, tiny_checkpoi
     g = onnx.load(out / "model.onnx", load_external_data=False).graph
     head = next(n for n in g.node if n.output[0] == "linear")
     assert head.op_type == "MatMul" and "wte.weight" in {i.name for i in g.initializer}
-    assert read_manifest(out)["graph"]["head"] == "tail"
+    assert load_manifest(out).raw["graph"]["head"] == "tail"
     plain = Generator(out)
     spec = Generator(out, prompt_lookup=2)
     for prompt in PROMPTS[:2]:
@@ -154,7 +154,7 @@ def test_fp16_of_a_tail_export_is_a_target_too(grid, tmp_path):
     """fp16 (concat cache) of a tail export keeps the tail head; speculative greedy equals its plain greedy up
     to a near-tie (fp16 rounding of activations moves verify rows by up to 7.8e-3, measured)."""
     out = _quantize(grid["concat-int8"].parent / "tail-concat", tmp_path / "fp16", "fp16")
-    assert read_manifest(out)["graph"]["head"] == "tail"
+    assert load_manifest(out).raw["graph"]["head"] == "tail"
     plain, spec = Generator(out), Generator(out, prompt_lookup=2)
     for prompt in PROMPTS[:2]:
         kw = dict(max_new_tokens=30, do_sample=False, ignore_eos=True)
@@ -252,7 +252,7 @@ def test_bench_records_the_quantized_target_against_plain_decoding_and_its_floor
     cfg = BenchConfig(prompt_len=8, new_tokens=12, repeat=1, threads=1)
     r = run_spec_bench(grid["shared-int4"], cfg, SpecBench(prompt_lookup=2), log=open("/dev/null", "w"))
     assert r["precision"] == "int4" and r["head"] == "tail" and r["greedy_identical"] is not None
-    assert r["weight_bytes_per_step"] == read_manifest(grid["shared-int4"])["graph"]["decode_weight_bytes"]
+    assert r["weight_bytes_per_step"] == load_manifest(grid["shared-int4"]).raw["graph"]["decode_weight_bytes"]
     # the tiny folder fits in any last-level cache: no floor, and the note says why
     assert (r["decode_floor_ms"] is None) == (r["decode_floor_note"] is not None)
     if r["decode_floor_ms"] is not None:

@@ -24,7 +24,7 @@ from gpt2edge.export.static import (
     parse_static,
     symbolic_values,
 )
-from gpt2edge.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_files
+from gpt2edge.manifest import MANIFEST_NAME, Manifest, load_manifest, verify_files
 from gpt2edge.runtime import Generator, ModelFolder
 from gpt2edge.runtime.model.lm import OrtLM
 from gpt2edge.runtime.model.static_lm import StaticLM
@@ -62,7 +62,7 @@ def dynamic_gen(tiny_export) -> Generator:
 
 
 def test_cli_export_writes_a_verified_static_folder(static_export):
-    m = read_manifest(static_export)
+    m = dict(load_manifest(static_export).raw)
     g = m["graph"]
     assert g["static"] == {
         "batch": 2,
@@ -155,7 +155,7 @@ def test_a_chunk_of_one_is_one_graph_for_prefill_and_decode(tiny_checkpoint, tmp
     out = tmp_path / "one"
     r = cli("export", "-m", tiny_checkpoint, out, "--static", "1x1x32")
     assert r.exit_code == 0, r.output
-    g = read_manifest(out)["graph"]
+    g = load_manifest(out).raw["graph"]
     assert g["files"] == [PREFILL_FILE, WEIGHTS_FILE] and g["static"]["decode_file"] == PREFILL_FILE
     assert symbolic_values(out / PREFILL_FILE) == []
     gen = Generator(out)

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from gpt2edge.cli import main
 from gpt2edge.errors import GenerationError
-from gpt2edge.manifest import read_manifest, write_manifest
+from gpt2edge.manifest import load_manifest, write_manifest
 from gpt2edge.runtime import Generator
 
 
@@ -23,7 +23,7 @@ def folder_with(tiny_export, tmp_path_factory, name: str, **config):
     shutil.copytree(tiny_export, out)
     path = out / "generation_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
-    write_manifest(out, read_manifest(out))
+    write_manifest(out, dict(load_manifest(out).raw))
     return out
 
 

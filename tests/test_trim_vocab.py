@@ -16,7 +16,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
 from gpt2edge.cli import main
 from gpt2edge.errors import ModelFolderError, TrimError
-from gpt2edge.manifest import Manifest, read_manifest, write_manifest
+from gpt2edge.manifest import Manifest, load_manifest, write_manifest
 from gpt2edge.quality import compare_folders, stream_logprobs
 from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.runtime import Generator, ModelFolder
@@ -130,7 +130,7 @@ def test_quantized_trim_matches_parent_restricted(parents, tmp_path, mode, tol):
     lm = OrtLM(ModelFolder.open(out))
     got = stream_logprobs(lm, tokens)
     assert np.abs(got[:, lm.kept_ids] - restricted(ref, lm.kept_ids)).max() < tol
-    m = read_manifest(out)
+    m = dict(load_manifest(out).raw)
     assert m["graph"]["precision"] == mode and m["trim"]["parent"]["precision"] == mode
     assert m["trim"]["decode_weight_bytes_after"] < m["trim"]["decode_weight_bytes_before"]
     r = Generator(out).generate(PROMPT, max_new_tokens=8, ignore_eos=True, seed=0, temperature=0.8)
@@ -166,7 +166,7 @@ def test_keep_from_corpus_file_folder_and_top(tiny_export, tmp_path):
 
 
 def test_manifest_lists_and_verifies_the_kept_ids(trimmed_fp32, tmp_path):
-    m = read_manifest(trimmed_fp32)
+    m = dict(load_manifest(trimmed_fp32).raw)
     assert m["vocab"] == {"kept_ids_file": "kept_ids.npy", "kept": m["vocab"]["kept"], "full": V}
     assert "kept_ids.npy" in m["files"] and m["graph"]["outputs"][0]["shape"] == ["batch", m["vocab"]["kept"]]
     assert "kept_ids.npy" in ModelFolder.open(trimmed_fp32).info.loaded_files()
@@ -202,7 +202,7 @@ def test_manifest_lists_and_verifies_the_kept_ids(trimmed_fp32, tmp_path):
     ],
 )
 def test_manifest_vocab_record_is_validated(trimmed_fp32, vocab, phrase):
-    data = dict(read_manifest(trimmed_fp32))
+    data = dict(load_manifest(trimmed_fp32).raw)
     data["vocab"] = vocab
     with pytest.raises(ModelFolderError, match=phrase):
         Manifest.from_json(data)
@@ -227,7 +227,7 @@ def test_quality_report_compares_on_kept_ids(tiny_export, trimmed_fp32):
 
 def test_trimmed_folder_quantizes(trimmed_fp32, tmp_path):
     m = quantize_model(trimmed_fp32, tmp_path / "q", make_recipe("int8"), report=True)
-    assert m["vocab"] == read_manifest(trimmed_fp32)["vocab"] and m["quality"]["mean_kl"] < 5e-3
+    assert m["vocab"] == load_manifest(trimmed_fp32).raw["vocab"] and m["quality"]["mean_kl"] < 5e-3
     r = Generator(tmp_path / "q").generate(PROMPT, max_new_tokens=6, ignore_eos=True)
     assert set(r.token_ids) <= set(np.load(trimmed_fp32 / "kept_ids.npy").tolist())
 

@@ -249,9 +249,9 @@ def _terminal_stdin(f) -> bool:
 def _recorded_source(model_dir: Path) -> str:
     """The PyTorch source the manifest records (its local path first), or an error asking for -m."""
     from gpt2edge.errors import ModelFolderError
-    from gpt2edge.manifest import read_manifest
+    from gpt2edge.manifest import load_manifest
 
-    recorded = read_manifest(model_dir).get("source") or {}
+    recorded = load_manifest(model_dir).raw.get("source") or {}
     found = recorded.get("path") or recorded.get("model")
     if not found:
         raise ModelFolderError(f"{model_dir}: the manifest records no source model; pass -m SOURCE with --vs-torch.")

@@ -7,20 +7,15 @@ writer (ort_format.py, genai.py, web.py) and writes a manifest whose graph.forma
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import gpt2edge
-from gpt2edge.api_args import path_arg
 from gpt2edge.convert.ort_format import check_ort_size
 from gpt2edge.convert.web import check_web, write_web
 from gpt2edge.errors import ConvertError
-from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder.checks import check_output_dir
-from gpt2edge.manifest import graph_files, read_manifest, verify_files, write_manifest
+from gpt2edge.folder.derive import Derivation
+from gpt2edge.manifest.records import Manifest
 from gpt2edge.runtime.model.folder import ModelFolder
 
 FORMATS = ("ort", "genai", "web")
@@ -32,11 +27,11 @@ Writer = Callable[[ModelFolder, Path], "tuple[dict[str, Any], dict[str, Any]]"]
 def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = False) -> dict[str, Any]:
     """Write export folder `src` in format `fmt` ("ort", "genai" or "web") to the new folder `out`; returns its
     manifest. Every check runs before anything is written; a failure leaves no `out` behind."""
-    src, out = path_arg(src, "src"), path_arg(out, "out")  # a TypeError names a wrong type
     if fmt not in FORMATS:
         raise ConvertError(f"Unknown format '{fmt}'; choose one of {', '.join(FORMATS)}.")
-    parent = read_manifest(src)
-    _check_not_converted(src, parent)
+    d = Derivation(src, out, "convert", force=force)
+    src = d.src
+    _check_not_converted(src, d.parent)
     folder = ModelFolder.open(src, verify=False)  # the graph description, cheaply
     if folder.graph.static is not None:
         raise ConvertError(
@@ -72,30 +67,20 @@ def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = 
             f"{src} is vocabulary-trimmed ({v.kept} of {v.full} tokens) and onnxruntime-genai cannot map its "
             "log-prob columns back to token ids; convert the untrimmed folder, or use --format ort."
         )
-    check_output_dir(out, force, sources=[src])  # equal to, inside or holding src: refused
-    verify_files(src, parent)  # every checksum, before any work
-    with atomic_output_dir(out, force=force) as tmp:
-        _copy_side_files(src, parent, tmp)
+    d.ready()  # OUT (equal to, inside or holding src: refused), then every checksum, before any work
+    with d.output() as tmp:
+        d.copy_side_files(tmp)  # tokenizer and configs, unchanged (the graph files are the writer's)
         graph, record = _WRITERS[fmt](folder, tmp)
-        manifest = write_manifest(tmp, _converted_manifest(parent, src, fmt, graph, record))
+        manifest = d.write_manifest(tmp, graph=graph, record={"format": fmt, **record})
     return manifest
 
 
-def _check_not_converted(src: Path, parent: dict[str, Any]) -> None:
+def _check_not_converted(src: Path, parent: Manifest) -> None:
     """Converting a converted folder would stack format on format: point at the export instead."""
-    graph = parent.get("graph")
-    done = graph.get("format", "onnx") if isinstance(graph, dict) else "onnx"
+    done = parent.graph.format
     if done != "onnx":
-        origin = parent.get("conversion", {}).get("parent", {}).get("path", "its parent export")
+        origin = parent.raw.get("conversion", {}).get("parent", {}).get("path", "its parent export")
         raise ConvertError(f"{src} is already a converted ({done}) folder; convert the export it came from ({origin}).")
-
-
-def _copy_side_files(src: Path, parent: dict[str, Any], tmp: Path) -> None:
-    """Tokenizer and configs, unchanged (the graph files are the writer's)."""
-    for name in parent["files"]:
-        if name not in graph_files(parent):
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src / name, tmp / name)
 
 
 def _write_ort(folder: ModelFolder, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -147,24 +132,3 @@ def _write_genai(folder: ModelFolder, tmp: Path) -> tuple[dict[str, Any], dict[s
 
 
 _WRITERS: dict[str, Writer] = {"ort": _write_ort, "genai": _write_genai, "web": write_web}
-
-
-def _converted_manifest(
-    parent: dict[str, Any], src: Path, fmt: str, graph: dict[str, Any], record: dict[str, Any]
-) -> dict[str, Any]:
-    """The parent's manifest with the new graph files and format, and where the conversion came from."""
-    manifest = {k: v for k, v in parent.items() if k not in ("files", "validation", "format", "format_version")}
-    manifest.update(
-        gpt2edge_version=gpt2edge.__version__,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        graph={**parent["graph"], **graph},
-        conversion={
-            "format": fmt,
-            **record,
-            "parent": {
-                "path": str(src.resolve()),
-                "sha256": {f: parent["files"][f]["sha256"] for f in graph_files(parent)},
-            },
-        },
-    )
-    return manifest

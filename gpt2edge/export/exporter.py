@@ -29,14 +29,13 @@ from gpt2edge.export.options import (
 )
 from gpt2edge.export.tokenizer_source import OWN_FIX, check_tokenizer_folder
 from gpt2edge.extras import require_extra
-from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder.checks import check_output_dir
+from gpt2edge.folder.derive import Output
 from gpt2edge.manifest import write_manifest
 from gpt2edge.manifest.records import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES, STATIC_KV_CACHE
 from gpt2edge.onnx_io.stats import EXTERNAL_DATA_THRESHOLD, decode_weight_bytes
 from gpt2edge.progress import Progress
 from gpt2edge.report_text import record_text
-from gpt2edge.resources import check_need, checkpoint_weight_bytes, export_need
+from gpt2edge.resources import checkpoint_weight_bytes, export_need
 
 if TYPE_CHECKING:
     from gpt2edge.export.validate import Check
@@ -109,8 +108,8 @@ def export_model(
     if shape is not None:
         check_static_options(head, kv_cache, kv_dtype)
     check_kv_dtype(kv_dtype)
-    sources = [source, tokenizer]  # local ones must not overlap OUT (a hub id matches no path)
-    check_output_dir(out, force, sources)
+    target = Output(out, force=force, sources=[source, tokenizer])  # local ones must not overlap OUT (a hub id: none)
+    target.check()
     resolved = resolve_source(source, revision)  # a missing folder, an export folder, an offline hub id: refused now
     if tokenizer is not None:  # a missing path, or a folder with no tokenizer files: refused now
         check_tokenizer_folder(tokenizer, hub_ok=True)
@@ -119,7 +118,7 @@ def export_model(
     if resolved.kind == "local":  # memory and disk it will take, from config.json: refused now if they do not fit
         weight_bytes = checkpoint_weight_bytes(Path(resolved.location))
         if weight_bytes is not None:
-            check_need(export_need(weight_bytes, run_validation, EXTERNAL_DATA_THRESHOLD), out)
+            target.check(export_need(weight_bytes, run_validation, EXTERNAL_DATA_THRESHOLD))
 
     # the heavy imports (torch, transformers, onnx), once the request is known to be good
     from gpt2edge.export.model import from_hf_model
@@ -141,7 +140,7 @@ def export_model(
         if shape is not None:
             check_static_capacity(shape, model.dims.n_positions)  # the first moment the positions are known
         steps.update()
-        with atomic_output_dir(out, force=force, sources=sources) as tmp:
+        with target.output() as tmp:
             steps.set_postfix_str("tracing to ONNX")
             if shape is None:
                 graph_files = export_graph(model, tmp / MODEL_FILE, opset=opset)

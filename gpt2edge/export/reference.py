@@ -10,7 +10,7 @@ import numpy as np
 from gpt2edge.errors import ModelFolderError
 from gpt2edge.export.checkpoint import load_checkpoint
 from gpt2edge.extras import require_extra
-from gpt2edge.manifest import read_manifest
+from gpt2edge.manifest import load_manifest
 from gpt2edge.quality import COMPARABLE_DIMS, DEFAULT_MAX_TOKENS, check_report_text, compare, folder_side
 
 
@@ -21,7 +21,7 @@ def compare_with_source(
     require_extra("export", "parity -m")
     import torch
 
-    dims = read_manifest(model_dir)["dims"]
+    dims = load_manifest(model_dir).dims
     check_report_text(model_dir, text, max_tokens)
     hf = load_checkpoint(source).model
     for key in COMPARABLE_DIMS:  # before the (token by token) stream runs

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt2edge.errors import ChecksumError, ModelFolderError
+from gpt2edge.manifest.external_data import check_external_data
 from gpt2edge.manifest.fields import shown_path
 from gpt2edge.manifest.records import (
     FORMAT,
@@ -33,7 +34,6 @@ from gpt2edge.manifest.records import HEAD_MODES as HEAD_MODES
 from gpt2edge.manifest.records import KEEP_INPUT as KEEP_INPUT
 from gpt2edge.manifest.records import KV_CACHE_MODES as KV_CACHE_MODES
 from gpt2edge.manifest.records import PRECISIONS as PRECISIONS
-from gpt2edge.onnx_io.external_data import check_external_data
 
 
 def resolve_inside(folder: Path, rel: str) -> Path:
@@ -151,11 +151,6 @@ def _reason(e: Exception) -> str:
 
 def _unreadable(folder: Path, rel: str, e: OSError) -> ModelFolderError:
     return ModelFolderError(f"{folder}: {shown_path(rel)} cannot be read ({_reason(e)}); re-export the model.")
-
-
-def read_manifest(folder: Path) -> dict[str, Any]:
-    """The validated manifest.json as a plain dict (see `load_manifest` for the typed form)."""
-    return dict(load_manifest(folder).raw)
 
 
 def graph_files(manifest: dict[str, Any] | Manifest) -> list[str]:

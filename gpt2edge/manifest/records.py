@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
 from pathlib import PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
+from gpt2edge import __version__
 from gpt2edge.errors import ModelFolderError
 from gpt2edge.manifest.fields import Fields, check_io, check_records, read_digest, shown_path
 
@@ -41,6 +43,29 @@ GRAPH_FORMATS = ("onnx", "ort", "genai", "web")
 # graph.kv_cache of a static-shape export (`export --static`): a fixed-capacity cache written by position,
 # described by graph.static (StaticInfo); not a --kv-cache choice
 STATIC_KV_CACHE = "static"
+
+
+@dataclass(frozen=True)
+class DerivedKind:
+    """A folder-to-folder command: the manifest field that records how its folder was made from the parent, and
+    whether the parent's quality report still describes the new graph."""
+
+    record: str
+    keeps_quality: bool  # True only where the graph computes the parent's numbers (a format conversion)
+
+
+# every derived folder (gpt2edge.folder.derive) by the command that makes it
+DERIVED_KINDS: Mapping[str, DerivedKind] = MappingProxyType(
+    {
+        "quantize": DerivedKind("quantization", keeps_quality=False),  # new weights: its own report, or none
+        "trim-vocab": DerivedKind("trim", keeps_quality=False),  # a new head: its report is under trim.quality
+        "sparse-head": DerivedKind("sparse_head", keeps_quality=False),  # a new head (cluster: approximate)
+        "convert": DerivedKind("conversion", keeps_quality=True),  # the same graph in another format
+    }
+)
+# what a derived manifest never takes from its parent's: `files` and `format*` are written anew for the new folder
+# (gpt2edge.manifest.write_manifest), `validation` measured the parent's graph against PyTorch, not this one
+DERIVED_DROPS = ("files", "format", "format_version", "validation")
 
 
 def check_relpath(value: Any, where: str, field: str = "") -> str:
@@ -282,6 +307,30 @@ class Manifest:
         extra = (GENERATION_CONFIG,) if GENERATION_CONFIG in self.files else ()
         kept = (self.vocab.kept_ids_file,) if self.vocab else ()
         return (*self.graph.files, self.tokenizer, *kept, *extra)
+
+    def derived(
+        self, kind: str, parent_path: str, *, graph: Mapping[str, Any], record: Mapping[str, Any], **fields: Any
+    ) -> dict[str, Any]:
+        """The manifest of a folder made from this one (the folder at `parent_path`, resolved) by command `kind`
+        (DERIVED_KINDS), before its checksums: this manifest less DERIVED_DROPS (and its quality report unless
+        the kind keeps it), `graph` over this graph's fields, the kind's record with its `parent` (path, precision
+        and the graph files' sha256), the version and time of writing, then `fields` (e.g. a vocab record)."""
+        kind_of = DERIVED_KINDS[kind]
+        drops = DERIVED_DROPS if kind_of.keeps_quality else (*DERIVED_DROPS, "quality")
+        manifest = {k: v for k, v in self.raw.items() if k not in drops}
+        parent = {
+            "path": parent_path,
+            "precision": self.graph.precision,
+            "sha256": {f: self.files[f].sha256 for f in self.graph.files},
+        }
+        manifest.update(
+            gpt2edge_version=__version__,
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            graph={**self.raw["graph"], **graph},
+            **{kind_of.record: {**record, "parent": parent}},
+        )
+        manifest.update(fields)
+        return manifest
 
     def model_bytes(self) -> int:
         """Bytes of the graph files (the .onnx and its external data)."""

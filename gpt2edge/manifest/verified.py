@@ -22,8 +22,8 @@ from typing import Any
 from gpt2edge import __version__
 from gpt2edge.errors import Gpt2EdgeError
 from gpt2edge.manifest import resolve_inside, verify_files, write_text_atomic
+from gpt2edge.manifest.external_data import check_external_data
 from gpt2edge.manifest.records import MANIFEST_NAME, Manifest
-from gpt2edge.onnx_io.external_data import check_external_data
 
 VERIFY_MODES = ("fast", "full")  # plus False: presence only (ModelFolder.open)
 _MAX_RECORD_BYTES = 1 << 20  # a record is a few kB; a larger file there is not one of ours

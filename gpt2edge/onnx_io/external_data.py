@@ -5,20 +5,17 @@ bytes in another file, named by the tensor's external_data "location". ONNX Runt
 so a location rewritten to an unlisted file would run weights no checksum covers. `external_locations` lists
 the locations of one .onnx file by reading its protobuf wire format directly: no onnx package (the runtime
 does not need it), no weights read (raw_data fields are skipped, the file is memory-mapped), a few ms for a
-GPT-2 graph. `check_external_data` compares them with the manifest's graph files before any session exists.
-ORT-format (.ort) graphs hold their initializers inline and are not parsed here.
+GPT-2 graph (gpt2edge.manifest.external_data compares them with the manifest's graph files before any session
+exists). ORT-format (.ort) graphs hold their initializers inline and are not parsed here.
 """
 
 from __future__ import annotations
 
 import mmap
-import os
-import posixpath
 from pathlib import Path
 
 from gpt2edge.errors import ModelFolderError
-from gpt2edge.manifest.fields import shown_path
-from gpt2edge.manifest.records import Manifest, check_relpath
+from gpt2edge.onnx_io.wire import read_varint
 
 # the message fields on the way to a TensorProto: {field number: message kind}
 _MODEL = {7: "graph", 20: "training", 25: "function"}
@@ -45,37 +42,24 @@ class _Malformed(ValueError):
     pass
 
 
-def _varint(buf, pos: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= end or shift > 63:
-            raise _Malformed("truncated varint")
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, pos
-        shift += 7
-
-
 def _fields(buf, start: int, end: int):
     """(field number, wire type, start, end) of each field of the message in buf[start:end]; for a
     length-delimited field, start:end is its content (offsets only: nothing is copied)."""
     pos, groups = start, []
     while pos < end:
-        key, pos = _varint(buf, pos, end)
+        key, pos = read_varint(buf, pos, end)
         number, wire = key >> 3, key & 7
         if number == 0:
             raise _Malformed("field number 0")
         begin = pos
         if wire == 0:
-            _, pos = _varint(buf, pos, end)
+            _, pos = read_varint(buf, pos, end)
         elif wire == 1:
             pos += 8
         elif wire == 5:
             pos += 4
         elif wire == 2:
-            n, begin = _varint(buf, pos, end)
+            n, begin = read_varint(buf, pos, end)
             pos = begin + n
         elif wire == 3:  # a group (unused by onnx.proto, but valid protobuf): its fields are skipped
             groups.append(number)
@@ -127,45 +111,6 @@ def external_locations(path: Path) -> set[str]:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             try:
                 _walk(mm, 0, size, "model", found, 0)
-            except _Malformed as e:
+            except ValueError as e:  # _Malformed, or a varint past the end
                 raise ModelFolderError(f"{path} is not a valid ONNX graph ({e}); re-export the model.") from None
     return found
-
-
-def graph_protos(info: Manifest) -> tuple[str, ...]:
-    """The ONNX files a session is created from: the graph, and a static export's decode graph."""
-    if info.graph.format != "onnx":
-        return ()
-    s = info.graph.static
-    return tuple(dict.fromkeys([info.graph.file, *([s.decode_file] if s is not None else [])]))
-
-
-def _inside(folder: Path, rel: str) -> Path:
-    """folder/rel with symlinks resolved, refused outside the folder (as gpt2edge.manifest.resolve_inside)."""
-    root = os.path.realpath(folder)
-    target = os.path.realpath(os.path.join(root, check_relpath(rel, str(folder))))
-    if target == root or not target.startswith(root + os.sep):
-        raise ModelFolderError(f"{folder}: {shown_path(rel)} points outside the folder (a symlink?); re-export.")
-    return Path(target)
-
-
-def check_external_data(folder: Path, info: Manifest) -> None:
-    """Refuse a graph whose external data is not one of the manifest's graph files (each listed with its size
-    and sha256, so verified unless the user skips verification): read before ONNX Runtime opens anything."""
-    allowed = set(info.graph.files) & set(info.files)  # both resolve inside the folder (checked on load)
-    for rel in graph_protos(info):
-        try:
-            locations = external_locations(_inside(folder, rel))
-        except ModelFolderError:
-            # not protobuf: ONNX Runtime refuses the whole file and opens nothing else; the checksum or the
-            # session says so with its own words
-            continue
-        for loc in sorted(locations):
-            # ONNX Runtime resolves a location against the graph's own folder; an absolute one or one with ".."
-            # never equals a listed name
-            target = posixpath.normpath(posixpath.join(posixpath.dirname(rel), loc)) if loc else ""
-            if target not in allowed or loc.startswith("/") or ".." in loc.split("/"):
-                raise ModelFolderError(
-                    f"{folder}: the graph {shown_path(rel)} loads its weights from {shown_path(loc)}, which is not "
-                    "one of the graph files the manifest lists and checksums; re-export the model."
-                )

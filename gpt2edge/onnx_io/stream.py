@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2edge.runtime.model.mapped_graph import varint as _varint  # the protobuf varint, written once
+from gpt2edge.onnx_io.wire import varint as _varint
 
 # protobuf field numbers (onnx.proto3): ModelProto.graph, GraphProto.initializer, TensorProto.raw_data
 _MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9

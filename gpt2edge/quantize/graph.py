@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path, PurePosixPath
 
 import onnx
 
+from gpt2edge.folder.derive import Derivation
 from gpt2edge.manifest import resolve_inside
-from gpt2edge.manifest.records import Manifest
 from gpt2edge.onnx_io.stats import EXTERNAL_DATA_THRESHOLD
 
 
@@ -42,17 +41,14 @@ def save_model(model: onnx.ModelProto, path: Path, base_dir: Path | None = None,
     return save_streaming(model, path, bytes_of, external=external)
 
 
-def write_variant(model: onnx.ModelProto, parent: Manifest, src: Path, tmp: Path, bytes_of=None) -> list[str]:
-    """A variant folder's files in `tmp`: `model` where the parent keeps its graph, and the parent's other files
+def write_variant(model: onnx.ModelProto, d: Derivation, tmp: Path, bytes_of=None) -> list[str]:
+    """A derived folder's files in `tmp`: `model` where the parent keeps its graph, and the parent's other files
     (tokenizer, configs) copied unchanged. Returns the graph files written, relative to the folder. `bytes_of`:
     see save_model (default: the parent's bytes as they are)."""
+    parent = d.parent
     graph_dir = PurePosixPath(parent.graph.file).parent  # "." unless the parent keeps its graph in a subfolder
     (tmp / graph_dir).mkdir(parents=True, exist_ok=True)
-    base = resolve_inside(src, parent.graph.file).parent  # where the parent's external data is read from
+    base = resolve_inside(d.src, parent.graph.file).parent  # where the parent's external data is read from
     written = save_model(model, tmp / parent.graph.file, base_dir=base, bytes_of=bytes_of)
-    files = [(graph_dir / f).as_posix() for f in written]
-    for name in parent.files:
-        if name not in parent.graph.files:
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(resolve_inside(src, name), tmp / name)
-    return files
+    d.copy_side_files(tmp)
+    return [(graph_dir / f).as_posix() for f in written]

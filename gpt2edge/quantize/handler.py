@@ -7,18 +7,16 @@ and configs, measures the quality report against the parent, and writes the mani
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import gpt2edge
-from gpt2edge.api_args import path_arg, text_arg
+from gpt2edge.api_args import text_arg
 from gpt2edge.errors import QuantizeError
 from gpt2edge.extras import require_extra
-from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder.checks import check_output_dir, check_sources
+from gpt2edge.folder.derive import Derivation
 from gpt2edge.heap import return_free_memory
-from gpt2edge.manifest import graph_files, load_manifest, resolve_inside, verify_files, write_manifest
+from gpt2edge.manifest import resolve_inside, write_manifest
+from gpt2edge.manifest.records import Manifest
 from gpt2edge.onnx_io.stats import decode_weight_bytes
 from gpt2edge.progress import Progress
 from gpt2edge.quantize.recipe import (  # noqa: F401  (re-exported: the CLI and tests read them here)
@@ -34,7 +32,7 @@ from gpt2edge.quantize.recipe import (  # noqa: F401  (re-exported: the CLI and 
     make_recipe,
 )
 from gpt2edge.report_text import BUILT_IN, record_text
-from gpt2edge.resources import check_need, quantize_need
+from gpt2edge.resources import quantize_need
 
 
 def quantize_model(
@@ -56,14 +54,13 @@ def quantize_model(
     require_extra("quantize", "quantize")
     from gpt2edge.quality import check_report_text, compare_folders, print_report
 
-    src, out = path_arg(src, "src"), path_arg(out, "out")  # a TypeError names a wrong type
     text = None if text is None else text_arg(text, "text")
-    info = load_manifest(src)  # every path it names stays inside src
-    parent = dict(info.raw)
+    d = Derivation(src, out, "quantize", force=force)
+    info, src = d.parent, d.src
+    parent = info.raw
     if info.graph.format != "onnx":  # .ort / genai folders (gpt2edge convert)
         origin = parent.get("conversion", {}).get("parent", {}).get("path", "?")
         raise QuantizeError(f"{src} is a converted folder; quantize the .onnx export it came from ({origin}).")
-    check_sources(out, [src])  # -o equal to, inside or holding MODEL_DIR: --force would delete the input
     if info.graph.static is not None:
         raise QuantizeError(
             f"{src} is a static-shape export (--static): its two graphs share one weights file, which these "
@@ -89,12 +86,9 @@ def quantize_model(
     compact = _check_kv_dtype(src, kv_dtype, recipe.mode, info.graph.kv_dtype)
     # the blocks as the graph will hold them (tables, a default block fitted to the rows), or refused now
     recipe = recipe.fitted(info.dims.n_embd, info.dims.n_inner)
-    check_output_dir(out, force, sources=[src])
     if report:
         check_report_text(src, text)  # an empty or one-token --text, refused before the work
-    parent_bytes = sum(parent["files"][f]["size"] for f in graph_files(parent))
-    check_need(quantize_need(parent_bytes, recipe.mode, report), out)  # before any work: memory and disk
-    verify_files(src, info)
+    d.ready(quantize_need(info.model_bytes(), recipe.mode, report))  # OUT, memory and disk, every checksum
 
     with Progress(3 if report else 2, f"quantize {recipe.mode}", file=sys.stderr) as bar:  # periodic lines off a TTY
         graph_path = resolve_inside(src, info.graph.file)
@@ -122,15 +116,15 @@ def quantize_model(
                 in_place=True,
             )
         bar.update()
-        with atomic_output_dir(out, force=force, sources=[src]) as tmp:
+        with d.output() as tmp:
             from gpt2edge.quantize.graph import write_variant
 
-            files = write_variant(variant, info, src, tmp, bytes_of=bytes_of)
+            files = write_variant(variant, d, tmp, bytes_of=bytes_of)
             del variant
             if text is not None:
                 record_text(tmp, text)
             bar.update()
-            manifest = write_manifest(tmp, _variant_manifest(parent, src, recipe, files, tmp))
+            manifest = d.write_manifest(tmp, **_variant_fields(info, recipe, files, tmp))
             if compact is not None:
                 from gpt2edge.quantize.kv import compact_kv_cache
 
@@ -142,7 +136,7 @@ def quantize_model(
                 return_free_memory()  # the rewrite's freed arrays, before the report's sessions load on top
                 # measured on the finished folder, exactly as the runtime will load it
                 bar.set_postfix_str("quality report")
-                manifest["quality"] = compare_folders(src, tmp, text=text, variant_name=str(out))
+                manifest["quality"] = compare_folders(src, tmp, text=text, variant_name=str(d.out))
                 manifest["quality"]["text_scored"] = text_source or ("--text" if text is not None else BUILT_IN)
                 bar.update()
                 bar.clear()
@@ -174,9 +168,9 @@ def _check_kv_dtype(src: Path, choice: str | None, mode: str, parent_kv: str) ->
     return kv_dtype_of(choice)
 
 
-def _variant_manifest(parent: dict, src: Path, recipe: Recipe, files: list[str], tmp: Path) -> dict[str, Any]:
-    """The parent's manifest with the graph's precision, files and the recipe updated."""
-    graph = dict(parent["graph"])
+def _variant_fields(info: Manifest, recipe: Recipe, files: list[str], tmp: Path) -> dict[str, Any]:
+    """The variant's graph fields (precision, KV dtype, files) and its quantization record."""
+    graph = dict(info.raw["graph"])
     kv = "float16" if recipe.mode == "fp16" else graph.get("kv_dtype", "float32")
     graph.update(
         precision=recipe.mode, kv_dtype=kv, files=files, decode_weight_bytes=decode_weight_bytes(tmp / files[0])
@@ -186,28 +180,16 @@ def _variant_manifest(parent: dict, src: Path, recipe: Recipe, files: list[str],
             {**t, "dtype": kv} if t["name"].startswith(("past_key_values.", "present.")) else t
             for t in graph.get(io, [])  # optional in a manifest
         ]
-    parent_files = graph_files(parent)
-    before = sum(parent["files"][f]["size"] for f in parent_files)
+    before = info.model_bytes()
     after = sum((tmp / f).stat().st_size for f in files)
-    manifest = {k: v for k, v in parent.items() if k not in ("files", "validation", "format", "format_version")}
-    manifest.update(
-        gpt2edge_version=gpt2edge.__version__,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        graph=graph,
-        quantization={
-            "recipe": recipe.to_json(),
-            "parent": {
-                "path": str(src.resolve()),
-                "precision": parent["graph"].get("precision", "fp32"),
-                "sha256": {f: parent["files"][f]["sha256"] for f in parent_files},
-            },
-            "cpu": _cpu_record(recipe),
-            "size_before": before,
-            "size_after": after,
-            "ratio": after / before,
-        },
-    )
-    return manifest
+    record = {
+        "recipe": recipe.to_json(),
+        "cpu": _cpu_record(recipe),
+        "size_before": before,
+        "size_after": after,
+        "ratio": after / before,
+    }
+    return {"graph": graph, "record": record}
 
 
 def _cpu_record(recipe: Recipe) -> dict[str, Any] | None:

@@ -210,12 +210,11 @@ def compact_folder_graph(folder: Path, kv_dtype: str, tokens: list[int] | None, 
     """Rewrite the finished folder's graph (graph.file) to a `kv_dtype` cache, in place (a new file renamed over
     the old one: a hard link to the old file keeps the fp32-cache graph). int8 calibrates on `tokens`. Returns
     the manifest's graph fields to update."""
-    from gpt2edge.manifest import read_manifest
+    from gpt2edge.manifest import load_manifest
     from gpt2edge.onnx_io.stream import external_locations, load_graph
     from gpt2edge.quantize.graph import save_model
 
-    manifest = read_manifest(folder)
-    graph = dict(manifest["graph"])
+    graph = dict(load_manifest(folder).raw["graph"])
     path = Path(folder) / graph["file"]
     model = load_graph(path)
     shared = any(n.op_type == "GroupQueryAttention" for n in model.graph.node)

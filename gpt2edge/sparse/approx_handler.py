@@ -12,17 +12,13 @@ quality report (gpt2edge.sparse.approx_report) is measured on the folder before 
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-import gpt2edge
 from gpt2edge.errors import GenerationError, SparseHeadError
-from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder.checks import check_output_dir
-from gpt2edge.manifest import resolve_inside, verify_files, write_manifest
+from gpt2edge.manifest import resolve_inside, write_manifest
 from gpt2edge.manifest.records import Manifest
 from gpt2edge.runtime.sparse_head.approx import APPROX_FILE, MAX_CLUSTERS
 
@@ -86,16 +82,15 @@ def cluster_sparse_head(
     from gpt2edge.sparse.graph import split_head
     from gpt2edge.sparse.handler import check_request
 
-    src, out = Path(src), Path(out)
-    info = check_request(src, out, 1)  # the folder kinds the exact mode refuses are refused here too
+    d = check_request(src, out, 1, force=force)  # the folder kinds the exact mode refuses are refused here too
+    info, src = d.parent, d.src
     if clusters is None:  # a small vocabulary gets fewer (each cluster at least 2 rows)
         clusters = min(DEFAULT_CLUSTERS, info.dims.vocab_size // 2)
     if probe is None:
         probe = min(DEFAULT_PROBE, clusters) if isinstance(clusters, int) else DEFAULT_PROBE
     check_cluster_options(info, clusters, probe, report_tokens)
     tokens = report_tokens_of(src, text, report_tokens) if report else None
-    check_output_dir(out, force, sources=[src])
-    verify_files(src, info)
+    d.ready()  # OUT, then every checksum
     V, C = info.dims.vocab_size, info.dims.n_embd
     bar_opts = dict(desc="sparse-head cluster", unit="step", file=log, leave=False, disable=None)  # a TTY only
     with tqdm(total=4 if report else 3, **bar_opts) as bar:
@@ -103,17 +98,17 @@ def cluster_sparse_head(
         bar.update()
         groups = cluster_rows(table.dequantized(), clusters)
         bar.update()
-        with atomic_output_dir(out, force=force, sources=[src]) as tmp:
-            files = write_variant(body, info, src, tmp)
+        with d.output() as tmp:
+            files = write_variant(body, d, tmp)
             del body
             save_model(cluster_head(table, groups, probe, V, C), tmp / APPROX_FILE)
-            manifest = write_manifest(tmp, _manifest(info, src, files, tmp, table, clusters, probe, groups.size))
+            manifest = d.write_manifest(tmp, **_cluster_fields(info, files, tmp, table, clusters, probe, groups.size))
             bar.update()
             if report:
                 from gpt2edge.sparse.approx_report import cluster_report
 
                 quality = cluster_report(tmp, src, head, tokens)
-                quality.update(variant=str(out), text_scored=text_source or ("--text" if text else BUILT_IN))
+                quality.update(variant=str(d.out), text_scored=text_source or ("--text" if text else BUILT_IN))
                 manifest = write_manifest(tmp, {**manifest, "quality": quality})
                 bar.update()
     if report:
@@ -126,44 +121,25 @@ def cluster_sparse_head(
     return manifest
 
 
-def _manifest(
-    info: Manifest, src: Path, files: list[str], tmp: Path, table, clusters: int, probe: int, size: int
+def _cluster_fields(
+    info: Manifest, files: list[str], tmp: Path, table, clusters: int, probe: int, size: int
 ) -> dict[str, Any]:
-    """The parent's manifest with the body graph's files and outputs, and the approximate sparse_head record."""
-    from gpt2edge.onnx_io.stats import decode_weight_bytes
+    """The body graph's fields and the approximate sparse_head record."""
+    from gpt2edge.sparse.handler import body_graph
 
-    parent = dict(info.raw)
-    graph = dict(parent["graph"])
-    graph.update(files=files, decode_weight_bytes=decode_weight_bytes(tmp / files[0]))
     C, V = info.dims.n_embd, info.dims.vocab_size
-    graph["outputs"] = [
-        {"name": "hidden", "dtype": "float32", "shape": ["batch", C]} if t.get("name") == "logprobs" else t
-        for t in graph.get("outputs", [])
-    ]
-    dropped = ("files", "validation", "quality", "format", "format_version")
-    manifest = {k: v for k, v in parent.items() if k not in dropped}
     row_bytes = C * 4 if table.codes is None else C + 5 * table.scales.shape[1]  # codes a byte each, zp, scale
-    manifest.update(
-        gpt2edge_version=gpt2edge.__version__,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        graph=graph,
-        sparse_head={
-            "mode": "cluster",
-            "approximate": True,  # not the model's distribution: the runtime labels and refuses what it must
-            "head_file": APPROX_FILE,
-            "kind": table.kind,
-            "clusters": clusters,
-            "probe": probe,
-            "cluster_size": size,
-            "tail": "cluster-mean",  # unprobed tokens: their cluster's mean logit (not -inf)
-            "rows_per_step": probe * size,
-            "bytes_per_step": int(clusters * C * 4 + probe * size * row_bytes),
-            "head_table_bytes": int(V * row_bytes),
-            "parent": {
-                "path": str(src.resolve()),
-                "precision": info.graph.precision,
-                "sha256": {f: info.files[f].sha256 for f in info.graph.files},
-            },
-        },
-    )
-    return manifest
+    record = {
+        "mode": "cluster",
+        "approximate": True,  # not the model's distribution: the runtime labels and refuses what it must
+        "head_file": APPROX_FILE,
+        "kind": table.kind,
+        "clusters": clusters,
+        "probe": probe,
+        "cluster_size": size,
+        "tail": "cluster-mean",  # unprobed tokens: their cluster's mean logit (not -inf)
+        "rows_per_step": probe * size,
+        "bytes_per_step": int(clusters * C * 4 + probe * size * row_bytes),
+        "head_table_bytes": int(V * row_bytes),
+    }
+    return {"graph": body_graph(info, files, tmp), "record": record}

@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import io
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-import gpt2edge
 from gpt2edge.errors import SparseHeadError
-from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder.checks import check_output_dir, check_sources
-from gpt2edge.manifest import load_manifest, resolve_inside, verify_files, write_manifest
+from gpt2edge.folder.derive import Derivation
+from gpt2edge.manifest import resolve_inside
 from gpt2edge.manifest.records import Manifest
 from gpt2edge.runtime.sparse_head.record import BOUND_FILE, HEAD_FILE, MAX_RANK, TABLE_FILE
 
@@ -31,10 +28,12 @@ DEFAULT_CANDIDATES = 256  # exact rows per step in the body graph (gpt2edge.spar
 MAX_CANDIDATES = 4096
 
 
-def check_request(src: Path, out: Path, rank: int, candidates_k: int = DEFAULT_CANDIDATES) -> Manifest:
+def check_request(
+    src: Path, out: Path, rank: int, candidates_k: int = DEFAULT_CANDIDATES, force: bool = False
+) -> Derivation:
     """Every refusal that needs no work: one line, before the graph is read."""
-    info = load_manifest(src)
-    check_sources(out, [src])
+    d = Derivation(src, out, "sparse-head", force=force)
+    info, src = d.parent, d.src
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= min(MAX_RANK, info.dims.n_embd - 1):
         raise SparseHeadError(
             f"--rank must be an integer from 1 to {min(MAX_RANK, info.dims.n_embd - 1)} (below n_embd "
@@ -60,11 +59,16 @@ def check_request(src: Path, out: Path, rank: int, candidates_k: int = DEFAULT_C
         )
     if info.graph.precision not in ("fp32", "int8", "int4"):
         raise SparseHeadError(f"{src} is {info.graph.precision}; the sparse head runs fp32, int8 and int4 folders.")
-    return info
+    return d
 
 
 def sparse_head(
-    src: Path, out: Path, *, rank: int = DEFAULT_RANK, candidates_k: int = DEFAULT_CANDIDATES, force: bool = False,
+    src: Path,
+    out: Path,
+    *,
+    rank: int = DEFAULT_RANK,
+    candidates_k: int = DEFAULT_CANDIDATES,
+    force: bool = False,
     log=sys.stderr,
 ) -> dict[str, Any]:
     """Write the sparse-head variant of export folder `src` to `out`; returns the new manifest."""
@@ -76,10 +80,9 @@ def sparse_head(
     from gpt2edge.sparse.graph import bound_model, split_head
     from gpt2edge.sparse.guard import guard_head, guard_step, step_arrays
 
-    src, out = Path(src), Path(out)
-    info = check_request(src, out, rank, candidates_k)
-    check_output_dir(out, force, sources=[src])
-    verify_files(src, info)
+    d = check_request(src, out, rank, candidates_k, force)
+    info, src = d.parent, d.src
+    d.ready()  # OUT, then every checksum
     V, C = info.dims.vocab_size, info.dims.n_embd
     bar_opts = dict(desc="sparse-head", unit="step", file=log, leave=False, disable=None)  # a TTY only
     with tqdm(total=4, **bar_opts) as bar:
@@ -98,8 +101,8 @@ def sparse_head(
         step = step_arrays(bounds, groups, slack_scale(bounds))
         fused = {"candidates": k, "groups": m, "group_size": groups.size, "n_groups": len(groups.members)}
         bar.update()
-        with atomic_output_dir(out, force=force, sources=[src]) as tmp:
-            files = write_variant(body, info, src, tmp)
+        with d.output() as tmp:
+            files = write_variant(body, d, tmp)
             del body
             save_model(head, tmp / HEAD_FILE)
             opset = next(o for o in head.opset_import if o.domain in ("", "ai.onnx"))
@@ -113,46 +116,43 @@ def sparse_head(
             np.savez(buf, **arrays, allow_pickle=False)
             (tmp / TABLE_FILE).write_bytes(buf.getvalue())
             bar.update()
-            manifest = write_manifest(tmp, _manifest(info, src, files, tmp, table.kind, rank, arrays, fused))
+            manifest = d.write_manifest(tmp, **_sparse_fields(info, files, tmp, table.kind, rank, arrays, fused))
     return manifest
 
 
-def _manifest(
-    info: Manifest, src: Path, files: list[str], tmp: Path, kind: str, rank: int, arrays: dict[str, np.ndarray],
-    fused: dict[str, int],
-) -> dict[str, Any]:
-    """The parent's manifest with the body graph's files and outputs, and the sparse_head record."""
+def body_graph(info: Manifest, files: list[str], tmp: Path) -> dict[str, Any]:
+    """The body graph's fields: its files, and the hidden state where the parent returned log-probs."""
     from gpt2edge.onnx_io.stats import decode_weight_bytes
 
-    parent = dict(info.raw)
-    graph = dict(parent["graph"])
+    graph = dict(info.raw["graph"])
     graph.update(files=files, decode_weight_bytes=decode_weight_bytes(tmp / files[0]))
-    C = info.dims.n_embd
     graph["outputs"] = [
-        {"name": "hidden", "dtype": "float32", "shape": ["batch", C]} if t.get("name") == "logprobs" else t
+        {"name": "hidden", "dtype": "float32", "shape": ["batch", info.dims.n_embd]} if t.get("name") == "logprobs"
+        else t
         for t in graph.get("outputs", [])
-    ]
-    dropped = ("files", "validation", "quality", "format", "format_version")
-    manifest = {k: v for k, v in parent.items() if k not in dropped}
-    V = info.dims.vocab_size
-    manifest.update(
-        gpt2edge_version=gpt2edge.__version__,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        graph=graph,
-        sparse_head={
-            "head_file": HEAD_FILE,
-            "table_file": TABLE_FILE,
-            "kind": kind,  # how the head's kernel computes a logit (record.py)
-            "rank": rank,
-            "bound_file": BOUND_FILE,
-            "fused": fused,  # the body graph's certified step (gpt2edge.sparse.fused)
-            "bound_table_bytes": int((rank + 1) * V * 4),
-            "head_table_bytes": int(V * C * (4 if "weight" in arrays else int(arrays["bits"]) / 8)),
-            "parent": {
-                "path": str(src.resolve()),
-                "precision": info.graph.precision,
-                "sha256": {f: info.files[f].sha256 for f in info.graph.files},
-            },
-        },
-    )
-    return manifest
+    ]  # fmt: skip
+    return graph
+
+
+def _sparse_fields(
+    info: Manifest,
+    files: list[str],
+    tmp: Path,
+    kind: str,
+    rank: int,
+    arrays: dict[str, np.ndarray],
+    fused: dict[str, int],
+) -> dict[str, Any]:
+    """The body graph's fields and the sparse_head record."""
+    C, V = info.dims.n_embd, info.dims.vocab_size
+    record = {
+        "head_file": HEAD_FILE,
+        "table_file": TABLE_FILE,
+        "kind": kind,  # how the head's kernel computes a logit (record.py)
+        "rank": rank,
+        "bound_file": BOUND_FILE,
+        "fused": fused,  # the body graph's certified step (gpt2edge.sparse.fused)
+        "bound_table_bytes": int((rank + 1) * V * 4),
+        "head_table_bytes": int(V * C * (4 if "weight" in arrays else int(arrays["bits"]) / 8)),
+    }
+    return {"graph": body_graph(info, files, tmp), "record": record}

@@ -2,7 +2,7 @@
 
 The handler checks the request before any work, picks the kept ids (keep.py), rewrites the head (graph.py),
 copies the tokenizer and configs, writes the kept ids and the manifest, and measures the quality report
-against the parent (gpt2edge.quality, which compares a trimmed folder on its kept ids: report.py).
+against the parent (gpt2edge.quality, which compares a trimmed folder on its kept ids: quality/trimmed.py).
 """
 
 from __future__ import annotations
@@ -10,18 +10,16 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-import gpt2edge
-from gpt2edge.api_args import path_arg, text_arg
+from gpt2edge.api_args import text_arg
 from gpt2edge.errors import TrimError
-from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder.checks import check_inputs, check_output_dir, check_sources
-from gpt2edge.manifest import load_manifest, resolve_inside, verify_files, write_manifest
+from gpt2edge.folder.checks import check_inputs
+from gpt2edge.folder.derive import Derivation
+from gpt2edge.manifest import resolve_inside, write_manifest
 from gpt2edge.manifest.records import GENERATION_CONFIG, Manifest
 from gpt2edge.onnx_io.stats import decode_weight_bytes
 from gpt2edge.progress import Progress
@@ -46,14 +44,16 @@ def eos_ids(src: Path, info: Manifest) -> tuple[int, ...]:
     raise TrimError(f"{src} names no valid eos_token_id (generation_config.json or config.json); re-export it.")
 
 
-def check_request(src: Path, out: Path, keep_from: Sequence[Path], keep_ids: Path | None, top: int | None) -> Manifest:
+def check_request(
+    src: Path, out: Path, keep_from: Sequence[Path], keep_ids: Path | None, top: int | None, force: bool = False
+) -> Derivation:
     """Every refusal that needs no work, so a bad request fails in a second with one line."""
     if bool(keep_from) == (keep_ids is not None):
         raise TrimError("Give either --keep-from CORPUS or --keep-ids FILE (exactly one of them).")
     if top is not None and keep_ids is not None:
         raise TrimError("--top picks the corpus's most frequent tokens; it applies to --keep-from only.")
-    info = load_manifest(src)
-    check_sources(out, [src])  # OUT equal to, inside or holding DIR: --force would delete the input
+    d = Derivation(src, out, "trim-vocab", force=force)
+    info, src, out = d.parent, d.src, d.out
     # a corpus or id list inside OUT would be deleted by --force too
     check_inputs(out, [*((f"--keep-from {p}", p) for p in keep_from), (f"--keep-ids {keep_ids}", keep_ids)])
     if info.vocab is not None:
@@ -74,7 +74,7 @@ def check_request(src: Path, out: Path, keep_from: Sequence[Path], keep_ids: Pat
             f"{src} is a --head all (scoring) export, which needs every token's probability; trim a generation "
             "export (--head last)."
         )
-    return info
+    return d
 
 
 def trim_vocab(
@@ -99,11 +99,10 @@ def trim_vocab(
     from gpt2edge.quantize.graph import write_variant
     from gpt2edge.trim.graph import trim_head
 
-    src, out = path_arg(src, "src"), path_arg(out, "out")  # a TypeError names a wrong type
     text = None if text is None else text_arg(text, "text")
-    info = check_request(src, out, keep_from, keep_ids, top)
-    check_output_dir(out, force, sources=[src])
-    verify_files(src, info)
+    d = check_request(src, out, keep_from, keep_ids, top, force)
+    info, src = d.parent, d.src
+    d.ready()  # OUT, then every checksum
     V = info.dims.vocab_size
     tokenizer = resolve_inside(src, info.tokenizer)
     eos = eos_ids(src, info)
@@ -115,14 +114,14 @@ def trim_vocab(
     with Progress(3 if report else 2, "trim-vocab", file=sys.stderr) as bar:  # a bar on a TTY, else periodic lines
         trimmed = trim_head(onnx.load(str(resolve_inside(src, info.graph.file))), keep.ids, V)
         bar.update()
-        with atomic_output_dir(out, force=force, sources=[src]) as tmp:
-            files = write_variant(trimmed, info, src, tmp)
+        with d.output() as tmp:
+            files = write_variant(trimmed, d, tmp)
             del trimmed
             np.save(tmp / KEPT_IDS_FILE, keep.ids, allow_pickle=False)
             if text is not None:
                 record_text(tmp, text)
             bar.update()
-            manifest = write_manifest(tmp, _trimmed_manifest(info, src, keep, files, tmp))
+            manifest = d.write_manifest(tmp, **_trimmed_fields(info, keep, files, tmp))
             if report:
                 # measured on the finished folder, exactly as the runtime will load it
                 bar.set_postfix_str("quality report")
@@ -135,36 +134,21 @@ def trim_vocab(
     return manifest
 
 
-def _trimmed_manifest(info: Manifest, src: Path, keep: KeepSet, files: list[str], tmp: Path) -> dict[str, Any]:
-    """The parent's manifest with the graph's files and output width updated, and the vocab/trim records."""
-    parent = dict(info.raw)
+def _trimmed_fields(info: Manifest, keep: KeepSet, files: list[str], tmp: Path) -> dict[str, Any]:
+    """The graph's files and output width, the trim record and the vocab record."""
     K, V = int(keep.ids.size), info.dims.vocab_size
-    graph = dict(parent["graph"])
+    graph = dict(info.raw["graph"])
     graph.update(files=files, decode_weight_bytes=decode_weight_bytes(tmp / files[0]))
     graph["outputs"] = [
         {**t, "shape": [*t["shape"][:-1], K]} if t.get("name") == "logprobs" else t for t in graph.get("outputs", [])
     ]
     after = sum((tmp / f).stat().st_size for f in files)
-    # the parent's validation and quality reports describe the parent, not this graph
-    dropped = ("files", "validation", "quality", "format", "format_version")
-    manifest = {k: v for k, v in parent.items() if k not in dropped}
-    manifest.update(
-        gpt2edge_version=gpt2edge.__version__,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        graph=graph,
-        vocab={"kept_ids_file": KEPT_IDS_FILE, "kept": K, "full": V},
-        trim={
-            **keep.to_json(),
-            "input_embedding": "whole",  # prompts embed every id; only the head was trimmed
-            "parent": {
-                "path": str(src.resolve()),
-                "precision": info.graph.precision,
-                "sha256": {f: info.files[f].sha256 for f in info.graph.files},
-            },
-            "decode_weight_bytes_before": info.graph.decode_weight_bytes,
-            "decode_weight_bytes_after": graph["decode_weight_bytes"],
-            "size_before": info.model_bytes(),
-            "size_after": after,
-        },
-    )
-    return manifest
+    record = {
+        **keep.to_json(),
+        "input_embedding": "whole",  # prompts embed every id; only the head was trimmed
+        "decode_weight_bytes_before": info.graph.decode_weight_bytes,
+        "decode_weight_bytes_after": graph["decode_weight_bytes"],
+        "size_before": info.model_bytes(),
+        "size_after": after,
+    }
+    return {"graph": graph, "record": record, "vocab": {"kept_ids_file": KEPT_IDS_FILE, "kept": K, "full": V}}

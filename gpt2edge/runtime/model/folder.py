@@ -15,9 +15,9 @@ from gpt2edge.api_args import path_arg
 from gpt2edge.cpu_facts import target_note
 from gpt2edge.errors import ArgumentTypeError, GenerationError, ModelFolderError
 from gpt2edge.manifest import check_present, load_manifest, resolve_inside
+from gpt2edge.manifest.external_data import check_external_data
 from gpt2edge.manifest.records import ATTENTION_OPS, GENERATION_CONFIG, GraphInfo, Manifest, ModelDims
 from gpt2edge.manifest.verified import verify_folder
-from gpt2edge.onnx_io.external_data import check_external_data
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 
 _DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}

@@ -15,6 +15,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from gpt2edge.onnx_io.wire import read_varint, varint
+
 # onnx.proto: ModelProto.graph, GraphProto.initializer, TensorProto.raw_data / external_data / data_location
 MODEL_GRAPH, GRAPH_INITIALIZER, TENSOR_RAW_DATA, TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION = 7, 5, 9, 13, 14
 EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
@@ -22,29 +24,6 @@ EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
 # a mapping costs at least a page
 MAP_MIN_BYTES = 64 << 10
 _HEAD = 20  # a field's key and length varints fit in 20 bytes
-
-
-def read_varint(buf: bytes, i: int) -> tuple[int, int]:
-    """(value, index after it) of the varint at buf[i]; ValueError when it runs past the buffer."""
-    shift = value = 0
-    while True:
-        if i >= len(buf) or shift > 63:
-            raise ValueError("truncated or malformed varint in the ONNX file")
-        byte = buf[i]
-        value |= (byte & 0x7F) << shift
-        i, shift = i + 1, shift + 7
-        if not byte & 0x80:
-            return value, i
-
-
-def varint(n: int) -> bytes:
-    """n as a protobuf varint (also gpt2edge.onnx_io.stream's writer)."""
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def fields(fd: int, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:

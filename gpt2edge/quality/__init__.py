@@ -22,14 +22,14 @@ import numpy as np
 from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.heap import return_free_memory
-from gpt2edge.manifest import read_manifest
+from gpt2edge.manifest import load_manifest
+from gpt2edge.quality.trimmed import compare_trimmed, print_trim_rows
 from gpt2edge.runtime.decoding.generate import generate
 from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import OrtLM, load_graph
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
 from gpt2edge.sample_text import SAMPLE_TEXT
-from gpt2edge.trim.report import compare_trimmed, print_trim_rows
 
 DEFAULT_MAX_TOKENS = 256
 GREEDY_TOKENS = 64
@@ -62,7 +62,7 @@ def check_report_text(model_dir: Path, text: str | None, max_tokens: int = DEFAU
 def check_comparable(a: Path, b: Path) -> None:
     """Refuse two folders whose logprobs cannot be compared (another vocabulary or context), from the
     manifests alone: before any session is built."""
-    da, db = read_manifest(a)["dims"], read_manifest(b)["dims"]
+    da, db = load_manifest(a).dims, load_manifest(b).dims
     for key in COMPARABLE_DIMS:
         if da.get(key) != db.get(key):
             raise ModelFolderError(
@@ -317,5 +317,5 @@ def print_report(report: dict[str, Any], title: str = "quality", file=sys.stdout
     print(f"{title}:", file=file)
     for k, v in rows:
         print(f"  {k:<26} {v}", file=file)
-    if "trim_kl" in report:  # a vocabulary-trimmed variant (gpt2edge.trim.report)
+    if "trim_kl" in report:  # a vocabulary-trimmed variant (gpt2edge.quality.trimmed)
         print_trim_rows(report, file=file)
