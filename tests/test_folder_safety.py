@@ -22,8 +22,8 @@ from gpt2edge import folder as folder_mod
 from gpt2edge.cli import main
 from gpt2edge.errors import ModelFolderError, OutputExistsError
 from gpt2edge.export import exporter, onnx_graph
+from gpt2edge.folder import derive  # the skeleton writes a derived folder's manifest
 from gpt2edge.manifest import MANIFEST_NAME, file_digest, load_manifest
-from gpt2edge.quantize import handler
 from gpt2edge.quantize.handler import make_recipe, quantize_model
 from gpt2edge.runtime import Generator, ModelFolder
 
@@ -73,13 +73,13 @@ def make_user_folder(out: Path, what: str) -> None:
 @pytest.mark.parametrize("what", ["empty", "folder", "file", "export"])
 def test_quantize_does_not_replace_what_appeared_meanwhile(tiny_export, tmp_path, monkeypatch, what):
     out = tmp_path / "q"
-    real_write = handler.write_manifest
+    real_write = derive.write_manifest
 
     def write_then_race(folder, manifest):
         make_user_folder(out, what)  # appears after the start-of-run check, before the final rename
         return real_write(folder, manifest)
 
-    monkeypatch.setattr(handler, "write_manifest", write_then_race)
+    monkeypatch.setattr(derive, "write_manifest", write_then_race)
     with pytest.raises(OutputExistsError, match="appeared while"):
         quick_quantize(tiny_export, out)
     if what == "file":
@@ -110,14 +110,14 @@ def test_force_rechecks_at_the_final_moment(tiny_export, tmp_path, monkeypatch):
     """--force was given for an old export; if a user folder sits there at the end, it is not deleted."""
     out = tmp_path / "q"
     shutil.copytree(tiny_export, out)  # a gpt2edge folder: what --force authorises
-    real_write = handler.write_manifest
+    real_write = derive.write_manifest
 
     def swap_in_user_data(folder, manifest):
         shutil.rmtree(out)
         make_user_folder(out, "folder")
         return real_write(folder, manifest)
 
-    monkeypatch.setattr(handler, "write_manifest", swap_in_user_data)
+    monkeypatch.setattr(derive, "write_manifest", swap_in_user_data)
     with pytest.raises(OutputExistsError, match="appeared while"):
         quick_quantize(tiny_export, out, force=True)
     assert (out / "keep.txt").read_text() == "mine"
