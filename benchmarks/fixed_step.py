@@ -158,6 +158,8 @@ def main() -> None:
     for v in a.variants:
         label, rest = v.split("=", 1)
         tree, folder = rest.split(":", 1)
+        if (Path(folder) / "sparse_head.npz").exists():  # its steps run two sessions and a native call
+            sys.exit(f"error: {folder} has a sparse head; time it with benchmarks/sparse_head.py --breakdown")
         variants.append((label, str(Path(tree).resolve()), folder))
     common = ["--tokens", str(a.tokens), "--threads", str(a.threads)]
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {os.getloadavg()[0]:.1f}")
