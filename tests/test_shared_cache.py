@@ -37,7 +37,16 @@ def test_one_fused_attention_node_per_layer_and_no_cache_concat(tiny_export_shar
     ops = [n.op_type for n in graph.node]
     n_layer = load_manifest(tiny_export_shared).raw["dims"]["n_layer"]
     assert ops.count("GroupQueryAttention") == n_layer
-    assert "Concat" not in ops and "Softmax" not in ops  # attention lives inside the fused node
+    assert "Softmax" not in ops  # attention lives inside the fused node
+    # no cache concat: each fused node reads its past straight from the graph's inputs, and the one Concat
+    # left builds the (B, 1, S, T) shape of the padding bias from the inputs' shapes
+    past = {i.name for i in graph.input if i.name.startswith("past_key_values.")}
+    attn = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert {n.input[3] for n in attn} | {n.input[4] for n in attn} == past
+    shapes = {n.output[0] for n in graph.node if n.op_type in ("Shape", "Constant")} | {
+        i.name for i in graph.initializer if i.data_type == onnx.TensorProto.INT64
+    }
+    assert all(set(n.input) <= shapes for n in graph.node if n.op_type == "Concat")
     # every norm is the standard LayerNormalization (ln_1, ln_2 per layer, ln_f), none the slower fused one
     assert ops.count("LayerNormalization") == 2 * n_layer + 1 and "SkipLayerNormalization" not in ops
 

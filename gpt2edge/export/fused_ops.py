@@ -6,14 +6,18 @@ fused SkipLayerNormalization costs the same per decode step but ~4x more at a 12
 
 | custom op | PyTorch (validation compares against it) | exported as |
 |---|---|---|
+| padding_bias | (B, 1, S, T) additive mask of the padding only | Cast/Unsqueeze/Where/Expand, once per step |
 | attention_lengths | each row's last slot, the total length | Shape/Sub/Cast, once per step |
-| fused_attention | write new k/v into the cache buffer, attend over valid slots | GroupQueryAttention |
+| fused_attention | write new k/v into the cache buffer, attend over valid causal slots | GroupQueryAttention |
 | bias_gelu | GELU(x + bias), tanh or erf form | FastGelu / BiasGelu |
 
 fused_attention contract (T = the attention mask's length = past tokens + S new ones):
   qkv (B, S, 3C) as c_attn writes it, past_k / past_v (B, nh, P, hs) with P >= T (a buffer) or P = T - S (the
-  past itself), bias (B, 1, S, T) additive (0 allowed, very negative masked; causal and padding folded in)
+  past itself), bias (B, 1, S, T) additive (0 allowed, very negative masked: the padding)
   -> y (B, S, C), present_k / present_v (B, nh, max(P, T), hs): past with slots T-S..T-1 written.
+Query i (slot T-S+i) sees key slots <= T-S+i: GroupQueryAttention applies that causal rule itself (from seqlens_k
+and the step's length), so the bias leaves it out: a graph without the ~10 Range/Unsqueeze/LessOrEqual/And nodes
+that built the causal part every step.
 When the runtime binds past and present to the same buffer, ONNX Runtime updates the cache in place: no step
 copies it. Every row has the same physical length; left padding is masked by the bias, not by the lengths.
 """
@@ -24,6 +28,19 @@ import torch
 import torch.nn.functional as F
 
 OP_DOMAIN = "com.microsoft"
+
+
+@torch.library.custom_op("gpt2edge::padding_bias", mutates_args=())
+def padding_bias(attention_mask: torch.Tensor, input_ids: torch.Tensor, floor: float) -> torch.Tensor:
+    B, S, T = input_ids.shape[0], input_ids.shape[1], attention_mask.shape[1]
+    keep = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+    return torch.where(keep, 0.0, floor).float().expand(B, 1, S, T).contiguous()
+
+
+@padding_bias.register_fake
+def _(attention_mask, input_ids, floor):
+    B, S, T = input_ids.shape[0], input_ids.shape[1], attention_mask.shape[1]
+    return attention_mask.new_empty(B, 1, S, T, dtype=torch.float32)
 
 
 @torch.library.custom_op("gpt2edge::attention_lengths", mutates_args=())
@@ -61,7 +78,9 @@ def fused_attention(
         present[:, :, start:T] = new
         presents.append(present)
     keys, values = presents[0][:, :, :T], presents[1][:, :, :T]  # (B, nh, T, hs)
-    att = torch.softmax(torch.matmul(q, keys.transpose(-1, -2)) * scale + bias, dim=-1)  # (B, nh, S, T)
+    causal = torch.arange(T)[None, :] <= torch.arange(start, T)[:, None]  # (S, T), as GroupQueryAttention masks
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale + bias
+    att = torch.softmax(scores.masked_fill(~causal, torch.finfo(scores.dtype).min), dim=-1)  # (B, nh, S, T)
     y = torch.matmul(att, values).transpose(1, 2).reshape(B, S, C)
     return y, presents[0], presents[1]
 
@@ -86,7 +105,7 @@ def _(x, bias, tanh):
 
 def onnx_translation() -> dict:
     """{op: onnxscript function} for torch.onnx.export's custom_translation_table (imports onnxscript)."""
-    from onnxscript import INT32
+    from onnxscript import BOOL, INT32
     from onnxscript import opset18 as op
     from onnxscript.values import Op, Opset
 
@@ -107,6 +126,13 @@ def onnx_translation() -> dict:
         last = op.Expand(op.Sub(length, op.Constant(value_ints=[1])), op.Shape(bias, start=0, end=1))
         return op.Cast(last, to=INT32.dtype), op.Cast(op.Squeeze(length), to=INT32.dtype)
 
+    def padding_bias_onnx(attention_mask, input_ids, floor: float):
+        keep = op.Unsqueeze(op.Cast(attention_mask, to=BOOL.dtype), op.Constant(value_ints=[1, 2]))  # (B, 1, 1, T)
+        bias = op.Where(keep, op.Constant(value_float=0.0), op.Constant(value_float=floor))
+        batch, total = op.Shape(attention_mask, start=0, end=1), op.Shape(attention_mask, start=1, end=2)
+        shape = op.Concat(batch, op.Constant(value_ints=[1]), op.Shape(input_ids, start=1, end=2), total, axis=0)
+        return op.Expand(bias, shape)  # GroupQueryAttention takes a (B, 1, S, T) bias, not (B, 1, 1, T)
+
     def fused_attention_onnx(qkv, past_k, past_v, bias, last_slot, total, n_head: int, scale: float):
         return gqa(
             qkv, None, None, past_k, past_v, last_slot, total, None, None, None, bias,
@@ -118,6 +144,7 @@ def onnx_translation() -> dict:
 
     ops = torch.ops.gpt2edge
     return {
+        ops.padding_bias.default: padding_bias_onnx,
         ops.attention_lengths.default: attention_lengths_onnx,
         ops.fused_attention.default: fused_attention_onnx,
         ops.bias_gelu.default: bias_gelu_onnx,

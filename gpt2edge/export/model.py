@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt2edge.errors import CheckpointError
-from gpt2edge.export.fused_ops import attention_lengths, bias_gelu, fused_attention
+from gpt2edge.export.fused_ops import attention_lengths, bias_gelu, fused_attention, padding_bias
 
 # Activations GPT-2 configs use, mapped to the torch function that reproduces transformers' ACT2FN.
 _ACTIVATIONS = {
@@ -182,13 +182,14 @@ class ExportableGPT2(nn.Module):
         T = attention_mask.shape[1]  # past + current length
         x = self.wte(input_ids) + self.wpe(position_ids)  # (B, S, C)
         # query i sits at absolute slot T-S+i and may look at key slots j <= T-S+i that are not padding
-        key_slot = torch.arange(T, device=x.device)
-        query_slot = torch.arange(S, device=x.device) + (T - S)
-        causal = key_slot.unsqueeze(0) <= query_slot.unsqueeze(1)  # (S, T)
-        allowed = causal.unsqueeze(0).unsqueeze(0) & attention_mask.bool().unsqueeze(1).unsqueeze(2)  # (B,1,S,T)
-        if self.kv_cache == "shared":
-            x, presents = self._fused_blocks(x, past, allowed)
+        if self.kv_cache == "shared":  # the fused attention masks the causal part itself: the padding only
+            floor = torch.finfo(x.dtype).min / 2  # finite after adding a score: a padded query gets no NaN
+            x, presents = self._fused_blocks(x, past, padding_bias(attention_mask, input_ids, floor).to(x.dtype))
         else:
+            key_slot = torch.arange(T, device=x.device)
+            query_slot = torch.arange(S, device=x.device) + (T - S)
+            causal = key_slot.unsqueeze(0) <= query_slot.unsqueeze(1)  # (S, T)
+            allowed = causal.unsqueeze(0).unsqueeze(0) & attention_mask.bool().unsqueeze(1).unsqueeze(2)  # (B,1,S,T)
             presents = []
             for i, block in enumerate(self.h):
                 x, k, v = block(x, past[2 * i], past[2 * i + 1], allowed)
@@ -202,11 +203,9 @@ class ExportableGPT2(nn.Module):
         logits = F.linear(x, head_weight)  # (B, V), (B, S, V) or (B, keep, V)
         return (torch.log_softmax(logits.float(), dim=-1), *presents)
 
-    def _fused_blocks(self, x, past, allowed):
-        """The blocks with ONNX Runtime's fused attention and GELU (fused_ops.py): same maths, ~11 nodes per
-        layer, and the attention writes the cache in place."""
-        floor = torch.finfo(x.dtype).min / 2  # finite after adding a score: a padded query gets no NaN
-        bias = torch.where(allowed, 0.0, floor).to(x.dtype)  # (B, 1, S, T) additive mask, shared by every layer
+    def _fused_blocks(self, x, past, bias):
+        """The blocks with ONNX Runtime's fused attention and GELU (fused_ops.py): same maths, ~10 nodes per
+        layer, and the attention writes the cache in place. bias: (B, 1, S, T) additive padding mask, every layer's."""
         last_slot, total = attention_lengths(bias)
         act = self.dims.activation
         presents = []

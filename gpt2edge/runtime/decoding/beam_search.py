@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gpt2edge.runtime.decoding.sampling import top_k_pool
 from gpt2edge.runtime.decoding.tie_order import torch_topk
+from gpt2edge.runtime.decoding.top_k import top_k_pool
 from gpt2edge.runtime.model.columns import Columns
 
 BIG = np.float32(1e9)  # transformers' "very large" score offset
@@ -46,7 +46,7 @@ def _divide(scores: np.ndarray, divisor: np.float32) -> np.ndarray:
 
 def top_k_sorted(scores: np.ndarray, k: int) -> np.ndarray:
     """(P, N) -> (P, k) column indices of the k best scores per row, best first (torch.topk's order); ties go
-    to the lower index. A threshold pass finds the few candidates (sampling.top_k_pool, which keeps every tie
+    to the lower index. A threshold pass finds the few candidates (top_k.top_k_pool, which keeps every tie
     with the k-th); only those are sorted, never the whole num_beams * vocab row."""
     out = np.empty((len(scores), k), dtype=np.int64)
     for p, row in enumerate(scores):

@@ -37,6 +37,8 @@ from gpt2edge.runtime.decoding.processors import (
     banned_ngram_tokens,
 )
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
+from gpt2edge.runtime.decoding.top_k import apply_temperature, apply_top_k, scaled_top_k
+from gpt2edge.runtime.decoding.top_k import take as _take
 from gpt2edge.runtime.model.columns import Columns
 
 __all__ = [
@@ -55,12 +57,6 @@ _BLOCK = 1024  # sample_index's block length on long rows
 # layout: the Columns of a trimmed row while vals is that whole row (see the module docstring), else None.
 
 
-def _take(ids: np.ndarray | None, vals: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Keep positions `keep` (indices or a mask into vals) of the surviving tokens."""
-    keep = np.flatnonzero(keep) if keep.dtype == bool else keep
-    return (keep if ids is None else ids[keep]), vals[keep]
-
-
 def _sum(x: np.ndarray, dtype, layout: Columns | None = None):
     """x.sum(dtype) as the full row gives it (a whole trimmed row's values among the dropped ids' zeros)."""
     return (x if layout is None else layout.scatter(x)).sum(dtype=dtype)
@@ -71,47 +67,6 @@ def softmax(vals: np.ndarray, layout: Columns | None = None) -> np.ndarray:
     (the sum accumulated in float64: torch's float32 lane sums are close to exact, NumPy's float32 one less so)."""
     e = np.exp(vals - vals.max())
     return e * (np.float32(1.0) / np.float32(_sum(e, np.float64, layout)))
-
-
-def apply_temperature(row: np.ndarray, temperature: float) -> np.ndarray:
-    """TemperatureLogitsWarper: float32 division, as torch divides a float32 tensor by a Python float. A
-    temperature so small (1e-45) that every score overflows to -inf gives its T -> 0 limit, the best token(s),
-    where torch would have nothing left to sample."""
-    if temperature == 1.0:
-        return row
-    with np.errstate(over="ignore"):  # 1e308 -> inf: every score / inf = -0, uniform, as torch gives
-        t = np.float32(temperature)
-    if t == 0:  # below float32's range (5e-324): the T -> 0 limit, not a division by zero
-        return np.where(row == row.max(), np.float32(0.0), NEG_INF).astype(np.float32)
-    with np.errstate(over="ignore"):  # overflow to -inf is the division's honest float32 result
-        out = row / t
-    if out.max() == NEG_INF and row.max() > NEG_INF:
-        out = np.where(row == row.max(), np.float32(0.0), NEG_INF).astype(np.float32)
-    return out
-
-
-def top_k_pool(vals: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest vals plus every tie with the k-th (TopKLogitsWarper removes only vals < k-th).
-
-    A strided sample gives a threshold that about 4k values pass; if at least k do, the k-th value is among
-    them (exact); otherwise the whole row is partitioned.
-    """
-    n = vals.size
-    stride = max(1, n // (16 * k))
-    sample = vals[::stride]
-    rank = min(len(sample) - 1, 4 * -(-k // stride))
-    pool = np.flatnonzero(vals >= np.partition(sample, len(sample) - 1 - rank)[len(sample) - 1 - rank])
-    if len(pool) < k:
-        pool = np.arange(n)
-    kth = np.partition(vals[pool], len(pool) - k)[len(pool) - k]
-    return pool[vals[pool] >= kth]
-
-
-def apply_top_k(ids: np.ndarray | None, vals: np.ndarray, k: int) -> tuple[np.ndarray | None, np.ndarray]:
-    """TopKLogitsWarper: keep the k best (and ties with the k-th); 0 disables it."""
-    if k <= 0 or k >= vals.size:
-        return ids, vals
-    return _take(ids, vals, top_k_pool(vals, k))
 
 
 def _top_p_pool(
@@ -197,8 +152,12 @@ def apply_typical_p(ids: np.ndarray | None, vals: np.ndarray, mass: float, layou
 
 def _warp(row: np.ndarray, params: SamplingParams, columns: Columns | None) -> tuple:
     """warp_row's work: (row indices kept or None for all, float32 probabilities, layout)."""
-    ids, vals = None, apply_temperature(row, params.temperature)  # TemperatureLogitsWarper
-    ids, vals = apply_top_k(ids, vals, params.top_k)  # TopKLogitsWarper
+    scaled = scaled_top_k(row, params.temperature, params.top_k)  # both warpers on a pool: no (V,) division
+    if scaled is None:
+        ids, vals = None, apply_temperature(row, params.temperature)  # TemperatureLogitsWarper
+        ids, vals = apply_top_k(ids, vals, params.top_k)  # TopKLogitsWarper
+    else:
+        ids, vals = scaled
     if vals.max() == NEG_INF:  # (checked on top-k's few candidates) transformers' multinomial fails with a torch error
         raise GenerationError(
             "No token is left to sample: bad_words_ids, no_repeat_ngram_size and min_new_tokens ban every one; "
