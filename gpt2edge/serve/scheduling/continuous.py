@@ -30,6 +30,7 @@ from gpt2edge.errors import Gpt2EdgeError
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
 from gpt2edge.runtime.decoding.row_decoder import RowGroup
 from gpt2edge.runtime.model.slots import SlotLM, slot_refusal
+from gpt2edge.runtime.model.solo_rows import SoloRows
 from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import advance, fail
 from gpt2edge.serve.scheduling.jobs import Job, Row
@@ -59,7 +60,7 @@ class ContinuousScheduler(Scheduler):
 
     def __init__(self, generator, config: ServeConfig) -> None:
         super().__init__(generator, config)
-        self.slots = SlotLM(generator.graph, self.max_rows)
+        self.slots = cache_rows(generator.graph, self.max_rows, config.deterministic)
         # the cache's first positions reserved and touched while /health still says "loading" (llama-server and
         # vLLM reserve theirs at start too): fresh rows' page faults cost up to ~7 % of a cold server's first
         # minute at 64 clients (benchmarks/README.md)
@@ -238,6 +239,13 @@ class ContinuousScheduler(Scheduler):
         out["cache_relayouts"] = self.slots.relayouts
         out["cache_slots_read"], out["cache_slots_used"] = self.slots.slots_read, self.slots.slots_used
         return out
+
+
+def cache_rows(graph, rows: int, deterministic: bool) -> SlotLM | SoloRows:
+    """How rows are grouped into a step: all live rows in one batched run on shared-length cache rows (SlotLM,
+    the fast default), or with --deterministic each row in a run of its own (SoloRows), so that no row's numbers
+    depend on the others' count, lengths or padding (runtime/model/solo_rows.py says which kernels do)."""
+    return SoloRows(graph, rows) if deterministic else SlotLM(graph, rows)
 
 
 def load_scheduler(

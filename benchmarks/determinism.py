@@ -1,0 +1,159 @@
+"""Rows that do not depend on the traffic: does a served request get the numbers it gets alone, and what does
+--deterministic cost?
+
+check: each folder's mixed traffic (requests of different lengths, greedy and seeded sampling, all submitted
+at once to a continuous scheduler) against each request served alone by the same scheduler; prints per mode
+(default, --deterministic) how many requests changed a token, how many changed any log-prob bit, and the
+largest log-prob difference (over the whole next-token distribution of every step both runs made).
+
+speed: tokens/s of the continuous scheduler at 1, 4 and 16 concurrent greedy rows, default against
+--deterministic, interleaved rounds (median and range).
+
+  python benchmarks/determinism.py check FOLDER...            # e.g. ../shared trained model's int8 / int4
+  python benchmarks/determinism.py speed FOLDER [--rounds 3] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from gpt2edge.runtime import Generator
+from gpt2edge.serve import ServeConfig
+from gpt2edge.serve.scheduling.continuous import ContinuousScheduler
+from gpt2edge.serve.scheduling.jobs import Job, Sampling
+
+PROMPTS = [
+    "def main():\n    ",
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
+    "#",
+    "for i in range(10):",
+    "The river rose and the",
+    "    return [x for x in items if x is not None]\n\ndef parse(text):\n    '''Parse the",
+]
+
+
+def traffic() -> list[tuple[str, int, dict]]:
+    """(prompt, max_tokens, sampling) per request: greedy and seeded rows of different lengths."""
+    out = []
+    for i, p in enumerate(PROMPTS):
+        sampling = dict(temperature=0) if i % 2 == 0 else dict(temperature=1.0, top_p=0.95, seed=100 + i)
+        out.append((p, 12 + 5 * (i % 3), sampling))
+    return out
+
+
+def serve(gen: Generator, specs, deterministic: bool, max_batch: int = 8) -> dict[int, tuple[list, list]]:
+    """Submit every request at once; returns {request index: (tokens, (1, W) log-prob rows)}."""
+    sched = ContinuousScheduler(gen, ServeConfig(model_name="m", max_batch=max_batch, deterministic=deterministic))
+    seen: dict[int, tuple[list, list]] = {}
+    index: dict[int, int] = {}
+    take = sched._take
+
+    def spy(live, i, token, scores):  # every token a row takes, with the distribution it was chosen from
+        toks, lps = seen.setdefault(index[live.job.id], ([], []))
+        toks.append(token)
+        lps.append(np.array(scores, copy=True))
+        take(live, i, token, scores)
+
+    sched._take = spy
+    jobs = []
+    for k, (prompt, m, sampling) in specs:
+        ids = gen.tokenizer.encode(prompt) or [int(gen.bos_token_id)]
+        j = Job([prompt], [len(ids)], 1, m, Sampling(**sampling), (), lambda e: None, gen.tokenizer)
+        j.prompt_ids = [ids]
+        index[j.id] = k
+        jobs.append(j)
+    for j in jobs:
+        sched.submit(j)
+    sched.start()
+    deadline = time.monotonic() + 300
+    while not all(j.finished for j in jobs) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    sched.stop()
+    return seen
+
+
+def compare(gen: Generator, deterministic: bool) -> tuple[int, int, float]:
+    """(requests with another token, requests with another log-prob bit, largest |difference|)."""
+    specs = list(enumerate(traffic()))
+    mixed = serve(gen, specs, deterministic)
+    tok = bits = 0
+    worst = 0.0
+    for k, spec in specs:
+        alone = serve(gen, [(k, spec)], deterministic)[k]
+        got = mixed[k]
+        tok += got[0] != alone[0]
+        n = min(len(got[1]), len(alone[1]))
+        split = [a != b for a, b in zip(got[0], alone[0])]
+        n = split.index(True) + 1 if True in split else n  # after another token the contexts differ: not compared
+        diffs = [np.abs(a - b).max() for a, b in zip(got[1][:n], alone[1][:n])]
+        same_bits = all(np.array_equal(a, b) for a, b in zip(got[1][:n], alone[1][:n])) and got[0] == alone[0]
+        bits += not same_bits
+        worst = max(worst, max(diffs, default=0.0))
+    return tok, bits, worst
+
+
+def check(folders: list[str]) -> None:
+    print("| folder | mode | requests | other token | other log-prob bits | largest diff (nats) |")
+    print("|---|---|---|---|---|---|")
+    for f in folders:
+        gen = Generator(f, spin=False)
+        for det in (False, True):
+            tok, bits, worst = compare(gen, det)
+            mode = "--deterministic" if det else "default"
+            print(f"| {f} | {mode} | {len(PROMPTS)} | {tok} | {bits} | {worst:.2e} |", flush=True)
+
+
+def speed(folder: str, rounds: int, tokens: int, rows: list[int]) -> None:
+    gen = Generator(folder, spin=False)
+    results: dict[tuple[int, bool], list[float]] = {}
+    for _ in range(rounds):
+        for n in rows:
+            for det in (False, True):  # interleaved: A B A B
+                sched = ContinuousScheduler(gen, ServeConfig(model_name="m", max_batch=n, deterministic=det))
+                jobs = [Job([p], [1], 1, tokens, Sampling(temperature=0), (), lambda e: None, gen.tokenizer)
+                        for p in [PROMPTS[i % len(PROMPTS)] for i in range(n)]]  # fmt: skip
+                for j, p in zip(jobs, [PROMPTS[i % len(PROMPTS)] for i in range(n)]):
+                    j.prompt_ids = [gen.tokenizer.encode(p)]
+                    j.sampling = Sampling(temperature=0, ignore_eos=True)
+                t0 = time.perf_counter()
+                for j in jobs:
+                    sched.submit(j)
+                sched.start()
+                while not all(j.finished for j in jobs):
+                    time.sleep(0.001)
+                dt = time.perf_counter() - t0
+                sched.stop()
+                results.setdefault((n, det), []).append(n * tokens / dt)
+    print(f"{folder}: {rounds} rounds, {tokens} tokens per row, tokens/s median (range)")
+    print("| rows | default | --deterministic | cost |")
+    print("|---|---|---|---|")
+    for n in rows:
+        a, b = results[(n, False)], results[(n, True)]
+        ma, mb = statistics.median(a), statistics.median(b)
+        print(f"| {n} | {ma:.0f} ({min(a):.0f}-{max(a):.0f}) | {mb:.0f} ({min(b):.0f}-{max(b):.0f}) | "
+              f"{ma / mb:.2f}x |", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check")
+    c.add_argument("folders", nargs="+")
+    s = sub.add_parser("speed")
+    s.add_argument("folder")
+    s.add_argument("--rounds", type=int, default=3)
+    s.add_argument("--tokens", type=int, default=64)
+    s.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    a = ap.parse_args()
+    if a.cmd == "check":
+        check(a.folders)
+    else:
+        speed(a.folder, a.rounds, a.tokens, a.rows)
+
+
+if __name__ == "__main__":
+    main()
