@@ -1,0 +1,150 @@
+"""Rows that do not depend on the traffic (serve --deterministic, Generator(deterministic=True)): a request served
+among mixed traffic gets exactly the tokens and, bit for bit, the next-token log-probs it gets alone, at fp32,
+int8 (MatMulNBits and DynamicQuantizeMatMul) and int4, on both graph kinds; and the default batched path is
+shown to differ, so the comparison can fail."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+import numpy as np
+import pytest
+
+from gpt2edge.runtime import Generator
+from gpt2edge.serve import ServeConfig
+from gpt2edge.serve.scheduling.batch import take_batch
+from gpt2edge.serve.scheduling.continuous import ContinuousScheduler
+from gpt2edge.serve.scheduling.jobs import Job, Sampling
+
+PROMPTS = [
+    "The river rose and",
+    "Children learned to swim before they could read, and the old harbour wall at dusk was",
+    "A",
+    "Visitors walk along the old harbour wall at dusk while",
+    "Snow fell on the quiet hills",
+]
+# greedy and seeded sampled requests of different prompt and output lengths; one seeded request has n = 2
+TRAFFIC = [
+    (0, 14, 1, dict(temperature=0)),
+    (1, 9, 1, dict(temperature=1.0, top_p=0.9, seed=7)),
+    (2, 17, 1, dict(temperature=0)),
+    (3, 11, 2, dict(temperature=1.2, seed=11)),
+    (4, 6, 1, dict(temperature=0)),
+    (1, 12, 1, dict(temperature=0)),
+]
+
+
+@pytest.fixture(scope="module")
+def variants(tiny_export, tiny_export_shared, tmp_path_factory) -> dict:
+    """fp32, int8 (the default MatMulNBits and DynamicQuantizeMatMul: one activation scale per batch) and int4
+    variants of both graph kinds."""
+    pytest.importorskip("onnx")
+    from gpt2edge.quantize.handler import quantize_model
+    from gpt2edge.quantize.recipe import make_recipe
+
+    root = tmp_path_factory.mktemp("determ")
+    recipes = {
+        "int8": make_recipe("int8"),
+        "int8dq": dataclasses.replace(make_recipe("int8"), int8_op="DynamicQuantizeMatMul"),
+        "int4": make_recipe("int4"),
+    }
+    out = {}
+    for kind, src in (("concat", tiny_export), ("shared", tiny_export_shared)):
+        out[f"fp32-{kind}"] = src
+        for name, recipe in recipes.items():
+            quantize_model(src, root / f"{name}-{kind}", recipe, report=False)
+            out[f"{name}-{kind}"] = root / f"{name}-{kind}"
+    return out
+
+
+def serve(gen: Generator, traffic, deterministic: bool) -> dict[int, list]:
+    """Submit the requests at once to a continuous scheduler; {request: per row, [(token, (1, W) log-probs)]}."""
+    sched = ContinuousScheduler(gen, ServeConfig(model_name="t", max_batch=8, deterministic=deterministic))
+    seen: dict[tuple[int, int], list] = {}
+    take = sched._take
+
+    def spy(live, i, token, scores):  # each token a row takes, with the whole distribution it came from
+        seen.setdefault((live.job.id, i), []).append((token, np.array(scores, copy=True)))
+        take(live, i, token, scores)
+
+    sched._take = spy
+    jobs = []
+    for p, m, n, sampling in traffic:
+        ids = gen.tokenizer.encode(PROMPTS[p])
+        j = Job([PROMPTS[p]], [len(ids)], n, m, Sampling(ignore_eos=True, **sampling), (), lambda e: None,
+                gen.tokenizer, prompt_ids=[ids])  # fmt: skip
+        jobs.append(j)
+    for j in jobs:
+        sched.submit(j)
+    sched.start()
+    deadline = time.monotonic() + 60
+    while not all(j.finished for j in jobs) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    sched.stop()
+    assert all(j.finished for j in jobs)
+    return {k: [seen[(j.id, i)] for i in range(j.n)] for k, j in enumerate(jobs)}
+
+
+def same(a: list, b: list) -> bool:
+    """Rows with the same tokens and bit-identical distributions at every step."""
+    return all(
+        len(ra) == len(rb) and all(ta == tb and np.array_equal(la, lb) for (ta, la), (tb, lb) in zip(ra, rb))
+        for ra, rb in zip(a, b)
+    )
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fp32-concat",
+        "fp32-shared",
+        "int8-concat",
+        "int8dq-concat",
+        "int8dq-shared",
+        "int4-concat",
+        "int4-shared",
+    ],  # fmt: skip
+)
+def test_deterministic_rows_equal_each_request_alone(variants, name):
+    gen = Generator(variants[name], spin=False)
+    mixed = serve(gen, TRAFFIC, deterministic=True)
+    for k, spec in enumerate(TRAFFIC):
+        alone = serve(gen, [spec], deterministic=True)[0]
+        assert same(mixed[k], alone), f"{name}: request {k} changed with the traffic"
+    # and alone is the runtime's own: a greedy request's tokens and chosen log-probs are Generator.generate's
+    p, m, _, _ = TRAFFIC[0]
+    ref = gen.generate(PROMPTS[p], max_new_tokens=m, temperature=0, ignore_eos=True, logprobs=0)
+    assert [t for t, _ in mixed[0][0]] == ref.token_ids
+    assert [float(lp[0, t]) for t, lp in mixed[0][0]] == [e.logprob for e in ref.logprobs]
+
+
+def test_the_default_batch_is_not_row_independent(variants):
+    """The check above can fail: DynamicQuantizeMatMul's batch-wide activation scale moves every batched row."""
+    gen = Generator(variants["int8dq-concat"], spin=False)
+    mixed = serve(gen, TRAFFIC, deterministic=False)
+    alone = serve(gen, [TRAFFIC[0]], deterministic=False)[0]
+    assert not same(mixed[0], alone)
+
+
+def test_generator_deterministic_runs_each_prompt_alone(variants):
+    """Generator(deterministic=True): a list of prompts gives each prompt's own result (seeded too), and the
+    callback sees the batch's row order."""
+    folder = variants["int4-shared"]
+    gen, det = Generator(folder), Generator(folder, deterministic=True)
+    kw = dict(max_new_tokens=8, do_sample=True, temperature=1.0, seed=3, ignore_eos=True, logprobs=0)
+    alone = [gen.generate(p, **kw) for p in PROMPTS[:3]]
+    steps = []
+    got = det.generate(PROMPTS[:3], callback=steps.append, **kw)
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+    assert [[e.logprob for e in r.logprobs] for r in got] == [[e.logprob for e in r.logprobs] for r in alone]
+    assert all(len(s.tokens) == 3 and s.active.sum() == 1 for s in steps)
+    assert [int(s.tokens[1]) for s in steps if s.active[1]] == alone[1].token_ids
+
+
+def test_next_batch_deterministic_takes_one_request_per_batch(tiny_export):
+    gen = Generator(tiny_export)
+    jobs = deque(Job([p], [1], 1, 4, Sampling(temperature=0), (), lambda e: None, gen.tokenizer) for p in PROMPTS)
+    assert len(take_batch(deque(jobs), 8, 1024)) == len(PROMPTS)  # greedy jobs share a batch by default
+    assert len(take_batch(jobs, 8, 1024, alone=True)) == 1
