@@ -11,6 +11,7 @@ speed: tokens/s of the continuous scheduler at 1, 4 and 16 concurrent greedy row
 
   python benchmarks/determinism.py check FOLDER...            # e.g. ../shared trained model's int8 / int4
   python benchmarks/determinism.py speed FOLDER [--rounds 3] [--tokens 64]
+  python benchmarks/determinism.py kernels FOLDER...          # batch size and left pad, one row against alone
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ def traffic() -> list[tuple[str, int, dict]]:
     return out
 
 
+def make_job(gen: Generator, prompt: str, max_tokens: int, sampling: dict) -> Job:
+    """One request of one row, its prompt already encoded."""
+    ids = gen.tokenizer.encode(prompt) or [int(gen.bos_token_id)]
+    return Job([prompt], [len(ids)], 1, max_tokens, Sampling(**sampling), (), lambda e: None, gen.tokenizer,
+               prompt_ids=[ids])  # fmt: skip
+
+
 def serve(gen: Generator, specs, deterministic: bool, max_batch: int = 8) -> dict[int, tuple[list, list]]:
     """Submit every request at once; returns {request index: (tokens, (1, W) log-prob rows)}."""
     sched = ContinuousScheduler(gen, ServeConfig(model_name="m", max_batch=max_batch, deterministic=deterministic))
@@ -61,11 +69,8 @@ def serve(gen: Generator, specs, deterministic: bool, max_batch: int = 8) -> dic
     sched._take = spy
     jobs = []
     for k, (prompt, m, sampling) in specs:
-        ids = gen.tokenizer.encode(prompt) or [int(gen.bos_token_id)]
-        j = Job([prompt], [len(ids)], 1, m, Sampling(**sampling), (), lambda e: None, gen.tokenizer)
-        j.prompt_ids = [ids]
-        index[j.id] = k
-        jobs.append(j)
+        jobs.append(make_job(gen, prompt, m, sampling))
+        index[jobs[-1].id] = k
     for j in jobs:
         sched.submit(j)
     sched.start()
@@ -114,11 +119,8 @@ def speed(folder: str, rounds: int, tokens: int, rows: list[int]) -> None:
         for n in rows:
             for det in (False, True):  # interleaved: A B A B
                 sched = ContinuousScheduler(gen, ServeConfig(model_name="m", max_batch=n, deterministic=det))
-                jobs = [Job([p], [1], 1, tokens, Sampling(temperature=0), (), lambda e: None, gen.tokenizer)
-                        for p in [PROMPTS[i % len(PROMPTS)] for i in range(n)]]  # fmt: skip
-                for j, p in zip(jobs, [PROMPTS[i % len(PROMPTS)] for i in range(n)]):
-                    j.prompt_ids = [gen.tokenizer.encode(p)]
-                    j.sampling = Sampling(temperature=0, ignore_eos=True)
+                prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+                jobs = [make_job(gen, p, tokens, dict(temperature=0, ignore_eos=True)) for p in prompts]
                 t0 = time.perf_counter()
                 for j in jobs:
                     sched.submit(j)
@@ -138,6 +140,45 @@ def speed(folder: str, rounds: int, tokens: int, rows: list[int]) -> None:
               f"{ma / mb:.2f}x |", flush=True)  # fmt: skip
 
 
+def kernels(folder: str, length: int = 37) -> None:
+    """Which knob moves a row's numbers: one row of `length` tokens alone (B = 1, no pad) against the same row in a
+    batch of B rows (the others random prompts) with `pad` slots of left padding; the largest log-prob difference
+    after the prefill and after one decode step."""
+    from gpt2edge.runtime.decoding.generate import left_pad, position_ids_from_mask
+
+    gen = Generator(folder, spin=False)
+    rng, vocab = np.random.default_rng(0), min(1000, int(gen.graph.vocab_size))
+    row = rng.integers(0, vocab, length).tolist()
+
+    def run(B: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+        prompts = [row] + [rng.integers(0, vocab, length + pad).tolist() for _ in range(B - 1)]
+        S = length + pad
+        lm = gen.graph.new_lm()
+        lm.start(B, S + 1)
+        ids, mask = left_pad(prompts, gen.pad_token_id, S + 1)
+        ids[0, :pad], mask[0, :pad] = gen.pad_token_id, 0
+        a = lm.forward(ids, mask[:, :S], position_ids_from_mask(mask[:, :S], S))[0].copy()
+        nxt = np.full((B, 1), 11, dtype=np.int64)
+        pos = position_ids_from_mask(mask, S + 1)[:, -1:]
+        b = lm.forward(nxt, mask, pos)[0].copy()
+        return a, b
+
+    ref = run(1, 0)
+    print(f"{folder}: a row of {length} tokens, alone vs in a batch; largest |log-prob difference| (prefill, decode)")
+    print("| rows | " + " | ".join(f"pad {p}" for p in (0, 1, 3, 8, 13, 16, 24, 32)) + " |")
+    print("|---|" + "---|" * 8)
+    for B in (1, 2, 4, 8):
+        cells = []
+        for pad in (0, 1, 3, 8, 13, 16, 24, 32):
+            if B == 1 and pad:
+                cells.append("")
+                continue
+            got = run(B, pad)
+            cells.append("/".join(f"{np.abs(g - r).max():.0e}" if not np.array_equal(g, r) else "0"
+                                  for g, r in zip(got, ref)))  # fmt: skip
+        print(f"| {B} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -148,8 +189,13 @@ def main() -> None:
     s.add_argument("--rounds", type=int, default=3)
     s.add_argument("--tokens", type=int, default=64)
     s.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    k = sub.add_parser("kernels")
+    k.add_argument("folders", nargs="+")
     a = ap.parse_args()
-    if a.cmd == "check":
+    if a.cmd == "kernels":
+        for f in a.folders:
+            kernels(f)
+    elif a.cmd == "check":
         check(a.folders)
     else:
         speed(a.folder, a.rounds, a.tokens, a.rows)
