@@ -156,8 +156,8 @@ def kernels(folder: str, length: int = 37) -> None:
         lm = gen.graph.new_lm()
         lm.start(B, S + 1)
         ids, mask = left_pad(prompts, gen.pad_token_id, S + 1)
-        ids[0, :pad], mask[0, :pad] = gen.pad_token_id, 0
         a = lm.forward(ids, mask[:, :S], position_ids_from_mask(mask[:, :S], S))[0].copy()
+        mask[:, S] = 1  # the decode step's own token
         nxt = np.full((B, 1), 11, dtype=np.int64)
         pos = position_ids_from_mask(mask, S + 1)[:, -1:]
         b = lm.forward(nxt, mask, pos)[0].copy()

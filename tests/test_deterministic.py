@@ -26,13 +26,15 @@ PROMPTS = [
     "Snow fell on the quiet hills",
 ]
 # greedy and seeded sampled requests of different prompt and output lengths; one seeded request has n = 2
+# and a request of two prompts whose lengths differ (under aligned batching it can only run by itself)
 TRAFFIC = [
-    (0, 14, 1, dict(temperature=0)),
-    (1, 9, 1, dict(temperature=1.0, top_p=0.9, seed=7)),
-    (2, 17, 1, dict(temperature=0)),
-    (3, 11, 2, dict(temperature=1.2, seed=11)),
-    (4, 6, 1, dict(temperature=0)),
-    (1, 12, 1, dict(temperature=0)),
+    ((0,), 14, 1, dict(temperature=0)),
+    ((1,), 9, 1, dict(temperature=1.0, top_p=0.9, seed=7)),
+    ((2,), 17, 1, dict(temperature=0)),
+    ((3,), 11, 2, dict(temperature=1.2, seed=11)),
+    ((4,), 6, 1, dict(temperature=0)),
+    ((0, 2), 7, 1, dict(temperature=0)),
+    ((1,), 12, 1, dict(temperature=0)),
 ]
 
 
@@ -71,10 +73,10 @@ def serve(gen: Generator, traffic, deterministic: bool) -> dict[int, list]:
 
     sched._take = spy
     jobs = []
-    for p, m, n, sampling in traffic:
-        ids = gen.tokenizer.encode(PROMPTS[p])
-        j = Job([PROMPTS[p]], [len(ids)], n, m, Sampling(ignore_eos=True, **sampling), (), lambda e: None,
-                gen.tokenizer, prompt_ids=[ids])  # fmt: skip
+    for ps, m, n, sampling in traffic:
+        ids = [gen.tokenizer.encode(PROMPTS[p]) for p in ps]
+        j = Job([PROMPTS[p] for p in ps], [len(i) for i in ids], n, m, Sampling(ignore_eos=True, **sampling), (),
+                lambda e: None, gen.tokenizer, prompt_ids=ids)  # fmt: skip
         jobs.append(j)
     for j in jobs:
         sched.submit(j)
@@ -82,9 +84,11 @@ def serve(gen: Generator, traffic, deterministic: bool) -> dict[int, list]:
     deadline = time.monotonic() + 60
     while not all(j.finished for j in jobs) and time.monotonic() < deadline:
         time.sleep(0.002)
+    serve.largest = sched.stats()["largest_batch"]
     sched.stop()
     assert all(j.finished for j in jobs)
-    return {k: [seen[(j.id, i)] for i in range(j.n)] for k, j in enumerate(jobs)}
+    serve.path = type(sched.slots).__name__, sched.align  # which grouping the probe chose
+    return {k: [seen[(j.id, i)] for i in range(len(j.rows))] for k, j in enumerate(jobs)}
 
 
 def same(a: list, b: list) -> bool:
@@ -114,7 +118,7 @@ def test_deterministic_rows_equal_each_request_alone(variants, name):
         alone = serve(gen, [spec], deterministic=True)[0]
         assert same(mixed[k], alone), f"{name}: request {k} changed with the traffic"
     # and alone is the runtime's own: a greedy request's tokens and chosen log-probs are Generator.generate's
-    p, m, _, _ = TRAFFIC[0]
+    (p,), m, _, _ = TRAFFIC[0]
     ref = gen.generate(PROMPTS[p], max_new_tokens=m, temperature=0, ignore_eos=True, logprobs=0)
     assert [t for t, _ in mixed[0][0]] == ref.token_ids
     assert [float(lp[0, t]) for t, lp in mixed[0][0]] == [e.logprob for e in ref.logprobs]
