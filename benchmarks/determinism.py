@@ -77,6 +77,8 @@ def serve(gen: Generator, specs, deterministic: bool, max_batch: int = 8) -> dic
     deadline = time.monotonic() + 300
     while not all(j.finished for j in jobs) and time.monotonic() < deadline:
         time.sleep(0.002)
+    serve.path = "aligned batch" if sched.align else type(sched.slots).__name__
+    serve.path += f" ({sched.align})" if sched.align else ""
     sched.stop()
     return seen
 
@@ -102,14 +104,14 @@ def compare(gen: Generator, deterministic: bool) -> tuple[int, int, float]:
 
 
 def check(folders: list[str]) -> None:
-    print("| folder | mode | requests | other token | other log-prob bits | largest diff (nats) |")
-    print("|---|---|---|---|---|---|")
+    print("| folder | mode | rows run as | requests | other token | other log-prob bits | largest diff (nats) |")
+    print("|---|---|---|---|---|---|---|")
     for f in folders:
         gen = Generator(f, spin=False)
         for det in (False, True):
             tok, bits, worst = compare(gen, det)
             mode = "--deterministic" if det else "default"
-            print(f"| {f} | {mode} | {len(PROMPTS)} | {tok} | {bits} | {worst:.2e} |", flush=True)
+            print(f"| {f} | {mode} | {serve.path} | {len(PROMPTS)} | {tok} | {bits} | {worst:.2e} |", flush=True)
 
 
 def speed(folder: str, rounds: int, tokens: int, rows: list[int]) -> None:
