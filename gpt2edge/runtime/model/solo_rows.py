@@ -4,10 +4,12 @@ A batched step is not row-independent in ONNX Runtime on the CPU (benchmarks/det
   fp32   batch-size invariant, but the attention's reductions over the key axis (Softmax, attn x V) depend on
          where a row's keys start among the SIMD lanes, i.e. on the left pad SlotLM's shared length gives it;
   int8   DynamicQuantizeMatMul quantizes the activations with one scale for the whole batch (0.1 nats apart);
-  int4   MatMulNBits (accuracy level 4) computes one row (M = 1) differently from several (M >= 2).
-So a row that must not depend on the traffic runs as it would alone: each row is an OrtLM of its own (one
-reserved cache row, no padding), prefilled alone and stepped alone (B = 1) -- exactly what Generator.generate runs
-for that one prompt, at every precision and on both graph kinds. The price is the batching: a step of k rows is k
+  int4   MatMulNBits (accuracy level 4) can compute one row (M = 1) differently from several (shape-dependent).
+Where a load-time probe finds batched rows exact at aligned left pads (runtime/model/row_invariance.py) the
+server batches them so (serve/scheduling/grouping.py); elsewhere a row that must not depend on the traffic runs
+as it would alone: each row is an OrtLM of its own (one reserved cache row, no padding), prefilled alone and
+stepped alone (B = 1) -- exactly what Generator.generate runs for that one prompt, at every precision and on
+both graph kinds. The price is the batching: a step of k rows is k
 runs (benchmarks/README.md, "Rows that do not depend on the traffic").
 
 Same interface as gpt2edge.runtime.model.slots.SlotLM for the continuous scheduler: live rows are packed at the
