@@ -12,9 +12,10 @@ Scheduler, kept selectable with --scheduler next-batch, makes it wait for every 
 Rows are independent: each row is the runtime's own RowDecoder and each request a RowGroup
 (runtime/decoding/row_decoder.py: its SamplingParams, processors, constraint, text, stop matcher and finish rule;
 one random generator drawn in the order the runtime draws it for that request alone, finished rows included while
-any row of it runs): a seeded request gives the runtime's text for that seed, whoever else is being served.
-This module only schedules; serve's own part of a token is the OpenAI mapping (batch.advance). Greedy rows get
-the tokens they get alone (the cache rows: gpt2edge.runtime.model.slots).
+any row of it runs). A batched row's log-probs still differ from its run alone in the last bits (its left pad,
+int8/int4 kernels: docs/serve.md), so greedy and seeded text can change with the traffic at near-ties; with
+--deterministic they cannot (how rows are grouped into a step: grouping.py). This module only schedules; serve's
+own part of a token is the OpenAI mapping (batch.advance); the cache rows: gpt2edge.runtime.model.slots.
 """
 
 from __future__ import annotations
