@@ -152,3 +152,34 @@ def test_next_batch_deterministic_takes_one_request_per_batch(tiny_export):
     jobs = deque(Job([p], [1], 1, 4, Sampling(temperature=0), (), lambda e: None, gen.tokenizer) for p in PROMPTS)
     assert len(take_batch(deque(jobs), 8, 1024)) == len(PROMPTS)  # greedy jobs share a batch by default
     assert len(take_batch(jobs, 8, 1024, alone=True)) == 1
+
+
+def test_http_requests_with_logprobs_equal_their_runs_alone(variants):
+    """Through the server (`serve --deterministic`): concurrent completions with logprobs, greedy and seeded, get
+    the tokens and log-probs each gets alone (the int4 folder whose rows run alone; fp32 batches at aligned pads)."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpt2edge.serve.api.app import create_app
+    from gpt2edge.serve.hosting.server import BackgroundServer
+    from gpt2edge.serve.scheduling.continuous import make_scheduler
+
+    bodies = [dict(prompt=PROMPTS[i], max_tokens=8 + i, logprobs=2, temperature=0 if i % 2 else 1.0, seed=i)
+              for i in range(len(PROMPTS))]  # fmt: skip
+    for name in ("int4-shared", "fp32-concat"):
+        config = ServeConfig(model_name="t", max_batch=8, deterministic=True)
+        gen = Generator(variants[name], spin=False)
+        sched = make_scheduler(gen, config)
+        with BackgroundServer(create_app(lambda s=sched: s, config)) as url:
+
+            def post(body):
+                r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                c = r.json()["choices"][0]
+                return c["text"], c["logprobs"]["token_logprobs"], c["logprobs"]["top_logprobs"]
+
+            alone = [post(b) for b in bodies]
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                together = list(pool.map(post, bodies))
+        assert together == alone, name
