@@ -116,13 +116,18 @@ def check(folders: list[str]) -> None:
 
 def speed(folder: str, rounds: int, tokens: int, rows: list[int]) -> None:
     gen = Generator(folder, spin=False)
+    gen.generate("warm-up", max_new_tokens=4)  # the session's first runs are slower: not inside round 1's A
     results: dict[tuple[int, bool], list[float]] = {}
+    ttft: dict[tuple[int, bool], list[float]] = {}  # each round's median time to a row's first token (ms)
     for _ in range(rounds):
         for n in rows:
             for det in (False, True):  # interleaved: A B A B
                 sched = ContinuousScheduler(gen, ServeConfig(model_name="m", max_batch=n, deterministic=det))
                 prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
                 jobs = [make_job(gen, p, tokens, dict(temperature=0, ignore_eos=True)) for p in prompts]
+                first: dict[int, float] = {}
+                for j in jobs:  # the time of each row's first event (its first token)
+                    j.emit = lambda e, k=j.id, seen=first: seen.setdefault(k, time.perf_counter())
                 t0 = time.perf_counter()
                 for j in jobs:
                     sched.submit(j)
@@ -132,14 +137,16 @@ def speed(folder: str, rounds: int, tokens: int, rows: list[int]) -> None:
                 dt = time.perf_counter() - t0
                 sched.stop()
                 results.setdefault((n, det), []).append(n * tokens / dt)
+                ttft.setdefault((n, det), []).append(statistics.median(first.values()) * 1e3 - t0 * 1e3)
     print(f"{folder}: {rounds} rounds, {tokens} tokens per row, tokens/s median (range)")
-    print("| rows | default | --deterministic | cost |")
-    print("|---|---|---|---|")
+    print("| rows | default | --deterministic | cost | first token ms, default | --deterministic |")
+    print("|---|---|---|---|---|---|")
     for n in rows:
         a, b = results[(n, False)], results[(n, True)]
         ma, mb = statistics.median(a), statistics.median(b)
+        fa, fb = statistics.median(ttft[(n, False)]), statistics.median(ttft[(n, True)])
         print(f"| {n} | {ma:.0f} ({min(a):.0f}-{max(a):.0f}) | {mb:.0f} ({min(b):.0f}-{max(b):.0f}) | "
-              f"{ma / mb:.2f}x |", flush=True)  # fmt: skip
+              f"{ma / mb:.2f}x | {fa:.0f} | {fb:.0f} |", flush=True)  # fmt: skip
 
 
 def kernels(folder: str, length: int = 37) -> None:
