@@ -99,21 +99,26 @@ def same(a: list, b: list) -> bool:
     )
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "fp32-concat",
-        "fp32-shared",
-        "int8-concat",
-        "int8dq-concat",
-        "int8dq-shared",
-        "int4-concat",
-        "int4-shared",
-    ],  # fmt: skip
-)
+# the grouping the load-time probe picks on the tiny model (runtime/model/row_invariance.py): batched at left pads
+# that are multiples of 8 where that is exact, each row alone where it is not (its int4 MatMulNBits computes
+# one row differently from several; DynamicQuantizeMatMul scales a batch's activations together)
+PATHS = {
+    "fp32-concat": ("SlotLM", 8),
+    "fp32-shared": ("SlotLM", 8),
+    "int8-concat": ("SlotLM", 8),
+    "int8dq-concat": ("SoloRows", None),
+    "int8dq-shared": ("SoloRows", None),
+    "int4-concat": ("SoloRows", None),
+    "int4-shared": ("SoloRows", None),
+}
+
+
+@pytest.mark.parametrize("name", list(PATHS))
 def test_deterministic_rows_equal_each_request_alone(variants, name):
     gen = Generator(variants[name], spin=False)
     mixed = serve(gen, TRAFFIC, deterministic=True)
+    assert serve.path == PATHS[name]
+    assert serve.largest >= (3 if serve.path[1] else 1)  # aligned batching does batch the congruent rows
     for k, spec in enumerate(TRAFFIC):
         alone = serve(gen, [spec], deterministic=True)[0]
         assert same(mixed[k], alone), f"{name}: request {k} changed with the traffic"
