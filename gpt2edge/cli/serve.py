@@ -76,6 +76,8 @@ def _host(ctx, param, value: str) -> str:
 )
 @click.option("--prefill-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Continuous: prompt tokens that join the batch per decode step (bounds the others' stall).")
+@click.option("--deterministic", is_flag=True,
+              help="Every request gets the tokens and log-probs it gets alone, whatever else runs (slower).")
 @click.option("--api-key", envvar="GPT2EDGE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' (401 otherwise; also $GPT2EDGE_API_KEY). Never logged.")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -124,6 +126,7 @@ def serve(
     batch_wait_ms,
     scheduler,
     prefill_tokens,
+    deterministic,
     api_key,
     chat_template,
     header_timeout,
@@ -153,7 +156,7 @@ def serve(
         name, max_batch, max_queue, max_n, max_body_kb * 1024, batch_wait_ms, scheduler,
         header_timeout_s=header_timeout, body_timeout_s=body_timeout, keep_alive_s=keep_alive,
         max_connections=max_connections, max_header_bytes=max_header_kb * 1024, shutdown_timeout_s=shutdown_timeout,
-        api_key=api_key, prefill_tokens=prefill_tokens,
+        api_key=api_key, prefill_tokens=prefill_tokens, deterministic=deterministic,
         chat_template=None if chat_template is None else str(chat_template),
     )  # fmt: skip
     ready = lambda url: click.echo(f"serving {name} on {url} (OpenAI API at {url}/v1; Ctrl-C stops)")

@@ -11,6 +11,7 @@ import numpy as np
 
 from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import GenerationError
+from gpt2edge.runtime.alone import generate_alone
 from gpt2edge.runtime.call_params import as_tuple, merged_values, stop_strings
 from gpt2edge.runtime.conversation import ContextOverflow, Conversation
 from gpt2edge.runtime.decoding.beam import (
@@ -63,6 +64,7 @@ class Generator:
         max_contexts: int | None = None,
         context_wait_s: float | None = None,
         spin: bool = True,
+        deterministic: bool = False,
     ) -> None:
         """draft / prompt_lookup / draft_tokens: speculative decoding (gpt2edge.runtime.speculative.speculator): a draft
         model folder with the target's tokenizer, or the longest n-gram prompt lookup matches; draft_tokens
@@ -71,7 +73,9 @@ class Generator:
         max_contexts: at most this many concurrent generate()/stream() calls hold a KV cache at once (default:
         no cap); a call beyond it waits for one to end, at most context_wait_s seconds (None: as long as it
         takes), then raises GenerationError. session() conversations hold their own context, outside the cap.
-        spin=False: ONNX Runtime's idle threads sleep instead of spinning (a server's event loop needs the cores)."""
+        spin=False: ONNX Runtime's idle threads sleep instead of spinning (a server's event loop needs the cores).
+        deterministic: generate() runs a list of prompts one prompt at a time, each with the tokens and log-probs
+        it gets alone (a batch's rows differ from them in the last bits: docs/generate.md; slower)."""
         check_max_contexts(max_contexts, context_wait_s)  # before the model loads
         model_dir = path_arg(model_dir, "model_dir")
         self.folder = ModelFolder.open(model_dir, verify=verify)
@@ -80,6 +84,7 @@ class Generator:
         self.graph = load_graph(self.folder, device=device, threads=threads, spin=spin and draft is None)
         self._pool = LMPool(self.graph, io_binding=io_binding, max_contexts=max_contexts, wait_s=context_wait_s)
         self.lm = self._pool.primary  # the context sequential calls use
+        self.deterministic = deterministic
         self.speculator = None
         if draft is not None or prompt_lookup is not None or draft_tokens is not None:
             self.speculator = Speculator(
@@ -170,6 +175,8 @@ class Generator:
         carry sequence_score); num_return_sequences > 1 without it samples, prefilling each prompt once.
         prompt may be a GenerationRequest (Generator.request: resolved once); it carries every option then."""
         req = resolved(self, prompt, options)
+        if self.deterministic and len(req.prompts) > 1:
+            return generate_alone(self, req, callback)
         prompts = [list(p) for p in req.prompts]
         if req.search.expands:
             groups = self._generate_many(callback, req)

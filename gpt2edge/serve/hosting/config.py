@@ -22,7 +22,8 @@ class ServeConfig:
     max_batch rows decode together (a request of n choices and k prompts is n*k rows); up to max_queue further
     requests wait, and past that a request gets 429. scheduler: "continuous" (a request joins the running batch
     at the next decode step) or "next-batch" (it waits for the running batch to end; batch_wait_ms is then the
-    longest a new batch waits to fill).
+    longest a new batch waits to fill). deterministic: a request's tokens and log-probs do not depend on what else
+    is served (each row runs alone: SoloRows under continuous batching, one request per batch under next-batch).
 
     Connection limits (uvicorn, serve/hosting/limits.py): a request's headers must arrive within header_timeout_s and
     its body within body_timeout_s (else 408); at most max_connections are open (one more gets 503 and is
@@ -41,6 +42,7 @@ class ServeConfig:
     batch_wait_ms: float = 50.0
     scheduler: str = "continuous"
     prefill_tokens: int = 256  # continuous: prompt tokens admitted per decode step (the first request always)
+    deterministic: bool = False  # every row computed as it would be alone (serve.md, "Rows that do not depend ...")
     max_buffered_events: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0

@@ -21,12 +21,13 @@ class _BatchDone(Exception):
     """Raised from the step callback once every row is finished or cancelled: the batch ends early."""
 
 
-def take_batch(waiting: deque[Job], max_batch: int, n_positions: int) -> list[Job]:
+def take_batch(waiting: deque[Job], max_batch: int, n_positions: int, alone: bool = False) -> list[Job]:
     """Remove and return the oldest job and every later one that can share its batch.
 
     A job joins when its sampling key matches the oldest job's, its rows fit under max_batch, and the batch's
     longest prompt plus its largest max_tokens still fit the model's positions (rows are left-padded to the
     longest prompt and all decode for the largest max_tokens). Jobs that do not fit wait for the next batch.
+    alone (--deterministic): the oldest job only, so that its rows run exactly as the request alone would.
     """
     chosen: list[Job] = []
     rows = longest = most = 0
@@ -39,7 +40,7 @@ def take_batch(waiting: deque[Job], max_batch: int, n_positions: int) -> list[Jo
         chosen.append(job)
         rows, longest, most = rows + len(job.rows), s, m
         waiting.remove(job)
-        if rows >= max_batch:
+        if rows >= max_batch or alone:
             break
     return chosen
 

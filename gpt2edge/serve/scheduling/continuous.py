@@ -12,9 +12,10 @@ Scheduler, kept selectable with --scheduler next-batch, makes it wait for every 
 Rows are independent: each row is the runtime's own RowDecoder and each request a RowGroup
 (runtime/decoding/row_decoder.py: its SamplingParams, processors, constraint, text, stop matcher and finish rule;
 one random generator drawn in the order the runtime draws it for that request alone, finished rows included while
-any row of it runs): a seeded request gives the runtime's text for that seed, whoever else is being served.
-This module only schedules; serve's own part of a token is the OpenAI mapping (batch.advance). Greedy rows get
-the tokens they get alone (the cache rows: gpt2edge.runtime.model.slots).
+any row of it runs). A batched row's log-probs still differ from its run alone in the last bits (its left pad,
+int8/int4 kernels: docs/serve.md), so greedy and seeded text can change with the traffic at near-ties; with
+--deterministic they cannot (how rows are grouped into a step: grouping.py). This module only schedules; serve's
+own part of a token is the OpenAI mapping (batch.advance); the cache rows: gpt2edge.runtime.model.slots.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import numpy as np
 from gpt2edge.errors import Gpt2EdgeError
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
 from gpt2edge.runtime.decoding.row_decoder import RowGroup
-from gpt2edge.runtime.model.slots import SlotLM, slot_refusal
+from gpt2edge.runtime.model.slots import slot_refusal
 from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import advance, fail
+from gpt2edge.serve.scheduling.grouping import cache_rows, take_aligned
 from gpt2edge.serve.scheduling.jobs import Job, Row
 from gpt2edge.serve.scheduling.scheduler import Scheduler
 
@@ -59,7 +61,9 @@ class ContinuousScheduler(Scheduler):
 
     def __init__(self, generator, config: ServeConfig) -> None:
         super().__init__(generator, config)
-        self.slots = SlotLM(generator.graph, self.max_rows)
+        # --deterministic: rows batched at aligned left pads (self.align) where this folder's kernels allow it
+        self.slots, self.align = cache_rows(generator.graph, self.max_rows, config.deterministic)
+        self._isolated = False  # aligned batching: a request whose own rows are not aligned runs with no other
         # the cache's first positions reserved and touched while /health still says "loading" (llama-server and
         # vLLM reserve theirs at start too): fresh rows' page faults cost up to ~7 % of a cold server's first
         # minute at 64 clients (benchmarks/README.md)
@@ -106,14 +110,29 @@ class ContinuousScheduler(Scheduler):
                     break
                 self._cond.wait()
             self._await_returning()
-            free, budget, jobs = self.slots.free_rows, self.config.prefill_tokens, []
-            while self._waiting and len(self._waiting[0].rows) <= free and (not jobs or budget > 0):
-                job = self._waiting.popleft()
-                free -= len(job.rows)
-                budget -= sum(r.prompt_len for r in job.rows)
-                jobs.append(job)
+            jobs = self._joining() if self.align is None else self._joining_aligned()
             self._running.extend(jobs)
             return jobs
+
+    def _joining(self) -> list[Job]:
+        """The waiting jobs that join at this step: oldest first while their rows fit the free cache rows and
+        their prompt tokens the prefill budget (the first always). Called with the lock held."""
+        free, budget, jobs = self.slots.free_rows, self.config.prefill_tokens, []
+        while self._waiting and len(self._waiting[0].rows) <= free and (not jobs or budget > 0):
+            job = self._waiting.popleft()
+            free -= len(job.rows)
+            budget -= sum(r.prompt_len for r in job.rows)
+            jobs.append(job)
+        return jobs
+
+    def _joining_aligned(self) -> list[Job]:
+        """_joining under --deterministic's aligned batching (grouping.take_aligned). Called with the lock held."""
+        if self.slots.live == 0:
+            self._isolated = False
+        if self._isolated:
+            return []
+        jobs, self._isolated = take_aligned(self._waiting, self.slots, self.config.prefill_tokens, self.align)
+        return jobs
 
     def _await_returning(self) -> None:
         """Rows freed by the last step: wait a moment (at most RETURN_SHARE of a cycle) for as many requests.

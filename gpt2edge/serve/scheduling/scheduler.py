@@ -180,7 +180,7 @@ class Scheduler:
             self._drop_cancelled()
             if self._closing or not self._waiting:
                 return None if self._closing else []
-            self._running = take_batch(self._waiting, self.max_rows, self.n_positions)
+            self._running = take_batch(self._waiting, self.max_rows, self.n_positions, self.config.deterministic)
             return self._running
 
     def _rows_waiting(self) -> int:
