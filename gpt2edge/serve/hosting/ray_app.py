@@ -68,6 +68,7 @@ _CONFIG_ARGS: dict[str, Callable[[str], Any]] = {
     "batch_wait_ms": float,
     "scheduler": str,
     "prefill_tokens": int,
+    "prefix_cache_bytes": int,
 }
 _REPLICA_ARGS: dict[str, Callable[[Any], Any]] = {
     "device": str,
