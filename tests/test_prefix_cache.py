@@ -125,6 +125,44 @@ def test_outputs_with_the_cache_equal_outputs_without(kind, sampling, request):
     assert stats["prefix_tokens_reused"] == 2 * sum(reused)  # cached_tokens counts a prompt once, not per choice
 
 
+# ---- the Python API: generate, stream, sessions --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["tiny_export", "tiny_export_shared"])
+@pytest.mark.parametrize("io_binding", [True, False])
+def test_the_generator_s_cache_gives_the_same_tokens(kind, io_binding, request):
+    folder = request.getfixturevalue(kind)
+    plain = Generator(folder, io_binding=io_binding)
+    cached = Generator(folder, io_binding=io_binding, prefix_cache_bytes=1 << 24)
+    for kw in (dict(do_sample=False), dict(do_sample=True, seed=3, temperature=1.3)):
+        for i, user in enumerate(USERS[:3]):
+            a = plain.generate(SYSTEM + user, max_new_tokens=8, ignore_eos=True, **kw)
+            b = cached.generate(SYSTEM + user, max_new_tokens=8, ignore_eos=True, **kw)
+            assert b.token_ids == a.token_ids
+            assert b.cached_tokens % BLOCK == 0 and (b.cached_tokens == 0) == (i == 0 and "seed" not in kw)
+            follow = SYSTEM + user + a.text  # the next turn resends the answer: more of it is cached
+            want = plain.generate(follow, max_new_tokens=5, ignore_eos=True, **kw).text
+            assert "".join(cached.stream(follow, max_new_tokens=5, ignore_eos=True, **kw)) == want
+    quiet = dict(on_overflow=lambda notice: None)  # the second turn passes 128 positions: the oldest drop
+    turns = [plain.session(**quiet), cached.session(**quiet)]
+    for text in ["Hello", " and more"]:
+        r0, r1 = (t.generate(SYSTEM + text, max_new_tokens=6, ignore_eos=True) for t in turns)
+        assert r1.token_ids == r0.token_ids
+    fresh = cached.session()  # a new conversation under the same system prompt starts from the cache
+    assert fresh.generate(SYSTEM + "Hello", max_new_tokens=6).cached_tokens == 3 * BLOCK
+    assert fresh.last_prefill_tokens == len(cached.tokenizer.encode(SYSTEM + "Hello")) - 3 * BLOCK
+
+
+def test_the_generator_refuses_a_bad_or_oversized_cache(tiny_export, monkeypatch):
+    from gpt2edge.errors import GenerationError
+
+    with pytest.raises(GenerationError, match="prefix_cache_bytes must be a whole number of bytes >= 0"):
+        Generator(tiny_export, prefix_cache_bytes=-5)
+    monkeypatch.setenv(ENV, "100M")
+    with pytest.raises(GenerationError, match=r"prefix_cache_bytes would hold about 1\.1 GB .*prefix cache 1\.1 GB"):
+        Generator(tiny_export, prefix_cache_bytes=1 << 30)
+
+
 # ---- HTTP: usage, /metrics, refusals ----------------------------------------------------------------------------
 
 

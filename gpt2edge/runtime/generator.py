@@ -21,6 +21,7 @@ from gpt2edge.runtime.decoding.beam import (
 from gpt2edge.runtime.decoding.expand import iter_generate_expanded
 from gpt2edge.runtime.decoding.generate import GenerationState, Step, iter_generate, length_error
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, check_logprobs
+from gpt2edge.runtime.decoding.prefix_fill import generator_prefix_cache
 from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import load_graph
@@ -63,6 +64,7 @@ class Generator:
         max_contexts: int | None = None,
         context_wait_s: float | None = None,
         spin: bool = True,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         """draft / prompt_lookup / draft_tokens: speculative decoding (gpt2edge.runtime.speculative.speculator): a draft
         model folder with the target's tokenizer, or the longest n-gram prompt lookup matches; draft_tokens
@@ -71,7 +73,11 @@ class Generator:
         max_contexts: at most this many concurrent generate()/stream() calls hold a KV cache at once (default:
         no cap); a call beyond it waits for one to end, at most context_wait_s seconds (None: as long as it
         takes), then raises GenerationError. session() conversations hold their own context, outside the cap.
-        spin=False: ONNX Runtime's idle threads sleep instead of spinning (a server's event loop needs the cores)."""
+        spin=False: ONNX Runtime's idle threads sleep instead of spinning (a server's event loop needs the cores).
+
+        prefix_cache_bytes: keep the KV of earlier prompts and generations, up to this many bytes, and reuse a
+        new prompt's longest cached prefix instead of prefilling it (generate/stream of one prompt and one
+        sequence, and session() turns; not with speculative decoding). 0: off. Outputs are the same."""
         check_max_contexts(max_contexts, context_wait_s)  # before the model loads
         model_dir = path_arg(model_dir, "model_dir")
         self.folder = ModelFolder.open(model_dir, verify=verify)
@@ -85,6 +91,7 @@ class Generator:
             self.speculator = Speculator(
                 self.folder, draft, prompt_lookup, draft_tokens, device, threads, verify, io_binding
             )
+        self.prefix_cache = generator_prefix_cache(self.graph, prefix_cache_bytes)
         self.defaults = self.folder.generation_defaults()
         eos = as_tuple(self.defaults.get("eos_token_id"))
         self.eos_token_id = eos
@@ -250,7 +257,8 @@ class Generator:
     def _state(self, prompts: list[list[int]], params: SamplingParams, recorder=None, compiled=None) -> GenerationState:
         """A fresh generation's state; a speculative one checks its parameters here, before any output."""
         if self.speculator is None:
-            return GenerationState(prompts=prompts, params=params, logprobs=recorder, constraint=compiled)
+            return GenerationState(prompts=prompts, params=params, logprobs=recorder, constraint=compiled,
+                                   prefix=self.prefix_cache)  # fmt: skip
         if recorder is not None:
             raise GenerationError("logprobs is not recorded by speculative decoding; drop the draft or logprobs.")
         self.speculator.check(prompts, params)
