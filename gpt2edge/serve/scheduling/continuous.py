@@ -29,11 +29,11 @@ import numpy as np
 from gpt2edge.errors import Gpt2EdgeError
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
 from gpt2edge.runtime.decoding.row_decoder import RowGroup
-from gpt2edge.runtime.model.prefix_cache import BLOCK, PrefixCache
 from gpt2edge.runtime.model.slots import SlotLM, slot_refusal
 from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import advance, fail
 from gpt2edge.serve.scheduling.jobs import Job, Row
+from gpt2edge.serve.scheduling.prefix_rows import prefix_rows
 from gpt2edge.serve.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("gpt2edge.serve")
@@ -71,8 +71,7 @@ class ContinuousScheduler(Scheduler):
         self._live: list[_Live] = []  # jobs with rows in the cache, in admission order
         self._freed = 0  # cache rows the latest release freed (their clients may be about to send again)
         self._cycle_s = 0.0  # how long the latest join + decode step took
-        self.prefix = prefix_cache(self.slots, config.prefix_cache_bytes)  # None: --prefix-cache-bytes 0
-        self._keep_rows = True  # whether released rows' keys/values are worth caching (not after a failed step)
+        self.prefix = prefix_rows(self.slots, config.prefix_cache_bytes)  # None: --prefix-cache-bytes 0
 
     def _run_next(self) -> bool:
         """One decode step with whatever joins and leaves around it; False once stopping."""
@@ -154,34 +153,15 @@ class ContinuousScheduler(Scheduler):
                 self._cache_rows.append((live, i))
                 self._pending.append(-1)
             prompts += ids
-        lp = self.slots.join(prompts, gen.pad_token_id, self._cached_prefixes(jobs, prompts))
+        cached = None if self.prefix is None else self.prefix.lookup(jobs, prompts)
+        lp = self.slots.join(prompts, gen.pad_token_id, cached)
+        if self.prefix is not None:
+            self.prefix.joined(first, prompts)
         with self._cond:
             self._stats.batches += 1
             self._stats.rows_served += len(prompts)
         self._sample(lp, list(range(first, len(self._cache_rows))))
         self._release()  # rows that ended at their first token do not decode another
-
-    def _cached_prefixes(self, jobs: list[Job], prompts: list[list[int]]) -> list[list[np.ndarray]] | None:
-        """Per prompt, the prefix cache's blocks of its longest cached prefix (its last token always runs: its
-        log-probs are needed); each job learns its cached prompt tokens (OpenAI's cached_tokens: once per prompt,
-        not per choice)."""
-        if self.prefix is None:
-            return None
-        found = [self.prefix.lookup(ids, len(ids) - 1) for ids in prompts]
-        at = 0
-        for job in jobs:
-            job.cached_tokens = sum(len(found[at + r]) * BLOCK for r in range(0, len(job.rows), job.n))
-            at += len(job.rows)
-        return found
-
-    def _remember(self, c: int, live: _Live, i: int) -> None:
-        """Cache row c's keys and values before the row is freed: its prompt and every token it has fed."""
-        if self.prefix is None or not self._keep_rows:
-            return
-        prompt = live.prompts[i]
-        fed = int(self.slots.lengths[c]) - len(prompt)
-        ids = prompt + live.job.rows[i].decoder.generated[:fed]
-        self.prefix.insert(ids, self.slots.row_kv(c))
 
     def _prompt_ids(self, job: Job, row: Row) -> list[int]:
         """The row's prompt as token ids (GPT-2 starts an empty prompt from <|endoftext|>, as the runtime does)."""
@@ -232,7 +212,8 @@ class ContinuousScheduler(Scheduler):
                 dropped += 1
             if not row.done:
                 continue
-            self._remember(c, live, i)
+            if self.prefix is not None:
+                self.prefix.leaving(c, live.prompts[i], row.decoder.generated)
             moved = self.slots.free(c)
             if moved is not None:
                 self._cache_rows[c], self._pending[c] = self._cache_rows[moved], self._pending[moved]
@@ -241,7 +222,8 @@ class ContinuousScheduler(Scheduler):
             live.in_cache[i] = False
             freed += 1
         self._freed += freed
-        self._keep_rows = True
+        if self.prefix is not None:
+            self.prefix.keep = True
         ended = [live for live in self._live if not live.running]
         if ended:
             self._live = [live for live in self._live if live.running]
@@ -255,7 +237,8 @@ class ContinuousScheduler(Scheduler):
     def _fail_all(self, message: str) -> None:
         """A failed step: every job in the cache is told, and the cache is emptied."""
         fail([live.job for live in self._live], message)
-        self._keep_rows = False  # the failed step may have left the rows half-written: none is cached
+        if self.prefix is not None:
+            self.prefix.keep = False  # the failed step may have left the rows half-written: none is cached
         for c in reversed(range(len(self._cache_rows))):
             self._cache_rows[c][0].job.rows[self._cache_rows[c][1]].done = True
 
@@ -267,13 +250,8 @@ class ContinuousScheduler(Scheduler):
         out["cache_relayouts"] = self.slots.relayouts
         out["cache_slots_read"], out["cache_slots_used"] = self.slots.slots_read, self.slots.slots_used
         if self.prefix is not None:
-            out.update({f"prefix_{k}": v for k, v in self.prefix.snapshot().items()})
+            out.update(self.prefix.stats())
         return out
-
-
-def prefix_cache(slots: SlotLM, max_bytes: int) -> PrefixCache | None:
-    """The server's prefix cache, shaped for its cache rows (None when --prefix-cache-bytes is 0)."""
-    return PrefixCache.for_graph(slots.graph, max_bytes) if max_bytes > 0 else None
 
 
 def load_scheduler(
