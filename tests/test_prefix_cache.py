@@ -125,6 +125,27 @@ def test_outputs_with_the_cache_equal_outputs_without(kind, sampling, request):
     assert stats["prefix_tokens_reused"] == 2 * sum(reused)  # cached_tokens counts a prompt once, not per choice
 
 
+def test_admission_counts_only_the_tokens_a_join_prefills(tiny_export):
+    """--prefill-tokens budgets what a join computes: a cached system prompt lets more newcomers join per step."""
+    gen = Generator(tiny_export)
+    scheduler = ContinuousScheduler(gen, ServeConfig(model_name="tiny", prefix_cache_bytes=1 << 24))
+    ids = gen.tokenizer.encode(SYSTEM + USERS[0])
+    job = Job([""], [len(ids)], 2, 4, Sampling(temperature=0), (), lambda e: None, gen.tokenizer, prompt_ids=[ids])
+    assert scheduler._prefill_tokens(job) == 2 * len(ids)  # nothing cached yet: every row prefills it all
+    scheduler.prefix.cache.insert(ids, _kv_of(gen, ids))
+    assert scheduler._prefill_tokens(job) == 2 * (len(ids) - (len(ids) - 1) // BLOCK * BLOCK)
+    assert scheduler.stats()["prefix_lookups"] == 0  # an estimate, not a lookup
+
+
+def _kv_of(gen: Generator, ids: list[int]) -> list[np.ndarray]:
+    """ids' keys and values, from one row's prefill."""
+    from gpt2edge.runtime.model.slots import SlotLM
+
+    slot = SlotLM(gen.graph, 1)
+    slot.join([ids], gen.pad_token_id)
+    return [t.copy() for t in slot.row_kv(0)]
+
+
 # ---- the Python API: generate, stream, sessions --------------------------------------------------------------
 
 

@@ -87,6 +87,11 @@ class PrefixCache:
                 self._touch(path)
             return [node.kv for node in path]
 
+    def peek(self, ids: Sequence[int], limit: int) -> int:
+        """How many of ids[:limit] lookup would supply now (no counters, no recency: an admission estimate)."""
+        with self._lock:
+            return len(self._walk(ids, max(0, limit) // BLOCK)) * BLOCK
+
     def insert(self, ids: Sequence[int], tensors: Sequence[np.ndarray]) -> int:
         """Remember the KV of ids: tensors[t] is (nh, >= len(ids), hs) for the first len(ids) positions (views are
         fine: the blocks not held yet are copied). Only whole blocks are kept. Returns the blocks added."""

@@ -113,10 +113,16 @@ class ContinuousScheduler(Scheduler):
             while self._waiting and len(self._waiting[0].rows) <= free and (not jobs or budget > 0):
                 job = self._waiting.popleft()
                 free -= len(job.rows)
-                budget -= sum(r.prompt_len for r in job.rows)
+                budget -= self._prefill_tokens(job)
                 jobs.append(job)
             self._running.extend(jobs)
             return jobs
+
+    def _prefill_tokens(self, job: Job) -> int:
+        """What the job's join prefills: its prompt tokens, less those the prefix cache holds."""
+        if self.prefix is None:
+            return sum(r.prompt_len for r in job.rows)
+        return self.prefix.prefill_tokens(job)
 
     def _await_returning(self) -> None:
         """Rows freed by the last step: wait a moment (at most RETURN_SHARE of a cycle) for as many requests.

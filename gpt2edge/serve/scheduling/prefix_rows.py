@@ -38,6 +38,12 @@ class PrefixRows:
             at += len(job.rows)
         return found
 
+    def prefill_tokens(self, job: Job) -> int:
+        """The prompt tokens the job's join would prefill (admission's --prefill-tokens budget counts these)."""
+        if job.prompt_ids is None:
+            return sum(r.prompt_len for r in job.rows)
+        return job.n * sum(len(ids) - self.cache.peek(ids, len(ids) - 1) for ids in job.prompt_ids)
+
     def joined(self, first: int, prompts: list[list[int]]) -> None:
         """The prompts just prefilled into cache rows first, first + 1, ..."""
         for j, ids in enumerate(prompts):
