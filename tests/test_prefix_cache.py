@@ -174,6 +174,19 @@ def test_the_generator_s_cache_gives_the_same_tokens(kind, io_binding, request):
     assert fresh.last_prefill_tokens == len(cached.tokenizer.encode(SYSTEM + "Hello")) - 3 * BLOCK
 
 
+def test_threads_share_the_generator_s_cache(tiny_export_shared):
+    """Concurrent calls look up and add under the cache's lock; each still gets its tokens alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    plain, cached = Generator(tiny_export_shared), Generator(tiny_export_shared, prefix_cache_bytes=1 << 24)
+    prompts = [SYSTEM + u for u in USERS] * 2
+    want = [plain.generate(p, max_new_tokens=6, do_sample=False).token_ids for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: cached.generate(p, max_new_tokens=6, do_sample=False).token_ids, prompts))
+    assert got == want
+    assert cached.prefix_cache.snapshot()["hits"] >= len(USERS)
+
+
 def test_the_generator_refuses_a_bad_or_oversized_cache(tiny_export, monkeypatch):
     from gpt2edge.errors import GenerationError
 
