@@ -512,7 +512,8 @@ def test_max_tokens_0_with_echo_returns_the_prompt(server, ref):
         (i, prompts[i // 2], "length") for i in range(6)
     ]
     prompt_tokens = sum(len(ref.tokenizer.encode(p)) or 1 for p in prompts)
-    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     events = asyncio.run(_stream(server, {"prompt": prompts[2], "max_tokens": 0, "echo": True,
                                           "stream_options": {"include_usage": True}}))  # fmt: skip
     assert joined(events[:-1])[0] == prompts[2] and events[-3]["choices"][0]["finish_reason"] == "length"

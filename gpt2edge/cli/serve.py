@@ -27,6 +27,25 @@ def _host(ctx, param, value: str) -> str:
     return value
 
 
+class _Bytes(click.ParamType):
+    """A size: bytes, or with a unit (512M, 2G; gpt2edge.memory.parse_size)."""
+
+    name = "bytes"
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        from gpt2edge.memory import parse_size
+
+        try:
+            return parse_size(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is not a size; give bytes or e.g. 512M, 2G.", param, ctx)
+
+
+BYTES = _Bytes()
+
+
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option(
@@ -78,6 +97,8 @@ def _host(ctx, param, value: str) -> str:
               help="Continuous: prompt tokens that join the batch per decode step (bounds the others' stall).")
 @click.option("--deterministic", is_flag=True,
               help="Every request gets the tokens and log-probs it gets alone, whatever else runs (slower).")
+@click.option("--prefix-cache-bytes", type=BYTES, default="0", show_default=True,
+              help="Continuous: keep earlier prompts' KV up to this size (e.g. 512M) and reuse it; 0 = off.")
 @click.option("--api-key", envvar="GPT2EDGE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' (401 otherwise; also $GPT2EDGE_API_KEY). Never logged.")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -127,6 +148,7 @@ def serve(
     scheduler,
     prefill_tokens,
     deterministic,
+    prefix_cache_bytes,
     api_key,
     chat_template,
     header_timeout,
@@ -157,6 +179,7 @@ def serve(
         header_timeout_s=header_timeout, body_timeout_s=body_timeout, keep_alive_s=keep_alive,
         max_connections=max_connections, max_header_bytes=max_header_kb * 1024, shutdown_timeout_s=shutdown_timeout,
         api_key=api_key, prefill_tokens=prefill_tokens, deterministic=deterministic,
+        prefix_cache_bytes=prefix_cache_bytes,
         chat_template=None if chat_template is None else str(chat_template),
     )  # fmt: skip
     ready = lambda url: click.echo(f"serving {name} on {url} (OpenAI API at {url}/v1; Ctrl-C stops)")

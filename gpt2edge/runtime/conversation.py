@@ -34,6 +34,7 @@ from gpt2edge.runtime.constraints import compile_for
 from gpt2edge.runtime.decoding.beam import check_one_sequence
 from gpt2edge.runtime.decoding.generate import GenerationState, Step, configure_head, decode_n_tokens
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
+from gpt2edge.runtime.decoding.prefix_fill import load_prefix, remember, usable
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 from gpt2edge.runtime.model.columns import forward_columns
 from gpt2edge.runtime.model.lm import OrtLM
@@ -243,6 +244,7 @@ class Conversation:
             for step in decode_n_tokens(lm, state, logprobs, self._mask, gen.pad_token_id, rng):
                 state.wall_ms = (time.perf_counter() - t0) * 1e3
                 yield step
+            remember(lm, usable(lm, gen.prefix_cache, 1), self._history + state.generated[0])
         except KeyboardInterrupt:
             state.finish_reasons = [r or "interrupted" for r in state.finish_reasons]
             self._cache_valid = False  # a forward may have been cut short: rebuild the cache next turn
@@ -272,6 +274,9 @@ class Conversation:
             lm.start(1, self.n_positions)  # past_len = 0; reuses the reserved buffers
             self._cache_valid = True
         configure_head(lm, state)  # a sparse head serves this turn's steps when its parameters allow
+        cache = usable(lm, self.generator.prefix_cache, 1)
+        if cache is not None and lm.past_len == 0:  # a fresh cache: its longest cached prefix first
+            state.cached_tokens = load_prefix(lm, cache, self._history)
         past = lm.past_len
         ids = np.asarray([self._history[past:]], dtype=np.int64)  # (1, S)
         self.last_prefill_tokens = ids.shape[1]

@@ -22,6 +22,7 @@ from gpt2edge.runtime.decoding.beam import (
 from gpt2edge.runtime.decoding.expand import iter_generate_expanded
 from gpt2edge.runtime.decoding.generate import GenerationState, Step, iter_generate, length_error
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, check_logprobs
+from gpt2edge.runtime.decoding.prefix_fill import generator_prefix_cache
 from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import load_graph
@@ -65,6 +66,7 @@ class Generator:
         context_wait_s: float | None = None,
         spin: bool = True,
         deterministic: bool = False,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         """draft / prompt_lookup / draft_tokens: speculative decoding (gpt2edge.runtime.speculative.speculator): a draft
         model folder with the target's tokenizer, or the longest n-gram prompt lookup matches; draft_tokens
@@ -75,8 +77,16 @@ class Generator:
         takes), then raises GenerationError. session() conversations hold their own context, outside the cap.
         spin=False: ONNX Runtime's idle threads sleep instead of spinning (a server's event loop needs the cores).
         deterministic: generate() runs a list of prompts one prompt at a time, each with the tokens and log-probs
-        it gets alone (a batch's rows differ from them in the last bits: docs/generate.md; slower)."""
+        it gets alone (a batch's rows differ from them in the last bits: docs/generate.md; slower).
+        prefix_cache_bytes: keep the KV of earlier prompts and generations, up to this many bytes, and reuse a
+        new prompt's longest cached prefix instead of prefilling it (generate/stream of one prompt and one
+        sequence, and session() turns; not with speculative decoding). 0: off. Outputs are the same."""
         check_max_contexts(max_contexts, context_wait_s)  # before the model loads
+        if deterministic and prefix_cache_bytes:
+            raise GenerationError(
+                "deterministic=True and prefix_cache_bytes cannot be combined: a cached prefix is reused from "
+                "another call's prefill, not computed as this prompt's own; pass one of them."
+            )
         model_dir = path_arg(model_dir, "model_dir")
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.tokenizer = TextTokenizer(self.folder.tokenizer_path, self.folder.dims.vocab_size)
@@ -90,6 +100,7 @@ class Generator:
             self.speculator = Speculator(
                 self.folder, draft, prompt_lookup, draft_tokens, device, threads, verify, io_binding
             )
+        self.prefix_cache = generator_prefix_cache(self.graph, prefix_cache_bytes)
         self.defaults = self.folder.generation_defaults()
         eos = as_tuple(self.defaults.get("eos_token_id"))
         self.eos_token_id = eos
@@ -257,7 +268,8 @@ class Generator:
     def _state(self, prompts: list[list[int]], params: SamplingParams, recorder=None, compiled=None) -> GenerationState:
         """A fresh generation's state; a speculative one checks its parameters here, before any output."""
         if self.speculator is None:
-            return GenerationState(prompts=prompts, params=params, logprobs=recorder, constraint=compiled)
+            return GenerationState(prompts=prompts, params=params, logprobs=recorder, constraint=compiled,
+                                   prefix=self.prefix_cache)  # fmt: skip
         if recorder is not None:
             raise GenerationError("logprobs is not recorded by speculative decoding; drop the draft or logprobs.")
         self.speculator.check(prompts, params)

@@ -39,6 +39,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
     sequence_score: float | None = None  # beam search: sum of log-probs / generated_len ** length_penalty
     head: dict | None = None  # set by an approximate sparse head: {"approximate": True, "mode": ...}
+    cached_tokens: int = 0  # prompt tokens the Generator's prefix cache supplied (not prefilled)
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -47,6 +48,8 @@ class GenerationResult:
             del out["logprobs"]  # not asked for
         if out["head"] is None:
             del out["head"]  # the model's own head
+        if not out["cached_tokens"]:
+            del out["cached_tokens"]  # no prefix cache, or nothing of this prompt in it
         return out
 
 
@@ -68,7 +71,7 @@ def results_of(state: GenerationState) -> list[GenerationResult]:
     for prompt, ids, reason, text in zip(state.prompts, state.generated, state.finish_reasons, state.texts):
         text.finish()  # an interrupted row may end inside a character
         results.append(GenerationResult(text.text, list(ids), list(prompt), reason or "length", dict(timings)))
-        results[-1].head = state.head
+        results[-1].head, results[-1].cached_tokens = state.head, state.cached_tokens
     if state.logprobs is not None:
         for r, rows in zip(results, state.logprobs.rows):
             r.logprobs = rows

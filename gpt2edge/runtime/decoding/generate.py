@@ -15,6 +15,7 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, TokenLogprob
+from gpt2edge.runtime.decoding.prefix_fill import prefill_on_cache, remember, usable
 from gpt2edge.runtime.decoding.row_decoder import RowDecoder, RowGroup
 from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.model.columns import forward_columns, lm_columns
@@ -23,6 +24,7 @@ from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 
 if TYPE_CHECKING:
     from gpt2edge.runtime.constraints.engine import CompiledConstraint
+    from gpt2edge.runtime.model.prefix_cache import PrefixCache
 
 
 @dataclass
@@ -50,6 +52,8 @@ class GenerationState:
     logprobs: LogprobRecorder | None = None  # set to record each generated token's log-prob (and top-N)
     head: dict | None = None  # an approximate sparse head's description (runtime/sparse_head/approx.py)
     constraint: CompiledConstraint | None = None  # structured output: a matcher per row (runtime/constraints)
+    prefix: PrefixCache | None = None  # the Generator's prefix cache (runtime/decoding/prefix_fill.py)
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, total: int) -> tuple[np.ndarray, np.ndarray]:
@@ -197,12 +201,17 @@ def iter_generate(lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, p
     # the last sampled token is never fed back, so the cache needs total - 1 positions
     lm.start(B, total - 1)
     configure_head(lm, state)
+    cache = usable(lm, state.prefix, B)  # one row: its cached prefix is loaded, the rest prefilled
     try:
         t0 = time.perf_counter()
-        logprobs = prefill(lm, ids, mask[:, :S])
+        if cache is None:
+            logprobs = prefill(lm, ids, mask[:, :S])
+        else:
+            logprobs, state.cached_tokens = prefill_on_cache(lm, cache, ids, mask[:, :S])
         state.prefill_ms = (time.perf_counter() - t0) * 1e3
         for step in decode_n_tokens(lm, state, logprobs, mask, pad_id, rng):
             state.wall_ms = (time.perf_counter() - t0) * 1e3  # the prefill up to this token
             yield step
+        remember(lm, cache, prompts[0] + state.generated[0] if cache is not None else [])
     except KeyboardInterrupt:
         state.finish_reasons = [r or "interrupted" for r in state.finish_reasons]

@@ -30,6 +30,7 @@ from gpt2edge.manifest import KEEP_INPUT
 from gpt2edge.runtime.decoding.generate import left_pad, position_ids_from_mask
 from gpt2edge.runtime.model.lm import OrtGraph
 from gpt2edge.runtime.model.ort_session import run_errors
+from gpt2edge.runtime.model.slot_prefix import prefill_rows
 from gpt2edge.runtime.sparse_head.body import BodyGraph
 
 MIN_POSITIONS = 64  # the first allocation's positions per row; doubled as rows grow
@@ -148,32 +149,44 @@ class SlotLM:
 
     # ---- rows joining and leaving ---------------------------------------------------------------------------
 
-    def join(self, prompts: list[list[int]], pad_id: int) -> np.ndarray:
-        """Prefill the prompts into free rows live .. live+n-1; returns their (n, W) next-token log-probs."""
+    def join(self, prompts: list[list[int]], pad_id: int, prefixes: list[list[np.ndarray]] | None = None) -> np.ndarray:
+        """Prefill the prompts into free rows live .. live+n-1; returns their (n, W) next-token log-probs.
+        prefixes[j]: cached KV blocks of prompt j's first tokens (PrefixCache.lookup): that row prefills the rest
+        on them (gpt2edge.runtime.model.slot_prefix), the others together as before."""
         n = len(prompts)
         if n > self.free_rows:
             raise GenerationError(f"{n} rows asked for, {self.free_rows} free.")
         lens = [len(p) for p in prompts]
         L = max(lens)
         t0 = time.perf_counter()
-        lp, presents = self._prefill(prompts, pad_id)
+        if prefixes is None or not any(prefixes):
+            lp, presents = self._prefill(prompts, pad_id)
+            rows = None
+        else:
+            lp, rows = prefill_rows(self, prompts, pad_id, prefixes)
         self.seconds["prefill"] += time.perf_counter() - t0
         # the running rows first shifted (or re-packed) so that P is at least the longest newcomer
         self._fit(L, max(L, int(self.lengths[: self.live].max(initial=0))))
         P, k = self.past_len, self.live
         t0 = time.perf_counter()
-        same = all(m == L for m in lens)
-        for t, present in enumerate(presents):  # (n, nh, L, hs) each, left-padded
+        same = rows is None and all(m == L for m in lens)
+        for t in range(self.n_tensors):  # (n, nh, L, hs) each, left-padded; or one (nh, m, hs) per row
             view = self._view(self._storage, self._src, t, k + n, P, self.capacity)
             if same:  # one copy for all newcomers (equal lengths: no padding to skip)
-                view[k : k + n, :, P - L :] = present
+                view[k : k + n, :, P - L :] = presents[t]
                 continue
             for j, m in enumerate(lens):
-                view[k + j, :, P - m :] = present[j, :, L - m :]
+                view[k + j, :, P - m :] = presents[t][j, :, L - m :] if rows is None else rows[j][t]
         self.seconds["join_copy"] += time.perf_counter() - t0
         self.lengths[k : k + n] = lens
         self.live = k + n
         return lp
+
+    def row_kv(self, i: int) -> list[np.ndarray]:
+        """Live row i's (nh, length, hs) keys and values per tensor: views of the cache (copy to keep them)."""
+        n, P = int(self.lengths[i]), self.past_len
+        return [self._view(self._storage, self._src, t, self.live, P, self.capacity)[i, :, P - n :]
+                for t in range(self.n_tensors)]  # fmt: skip
 
     def free(self, i: int) -> int | None:
         """Free row i; the last live row moves into it. Returns that row's old index (None when i was last)."""

@@ -150,7 +150,7 @@ async def _stream(job: Job, events: EventBuffer, plan: Plan, meta: Meta, shape: 
             if event.finish_reason is not None:
                 left, completion_tokens = left - 1, completion_tokens + event.completion_tokens
         if plan.include_usage:
-            usage = usage_body(sum(plan.prompt_lens), completion_tokens)
+            usage = usage_body(sum(plan.prompt_lens), completion_tokens, job.cached_tokens)
             yield sse({"id": meta.cid, "object": shape.obj, "created": meta.created, "model": meta.model,
                        "choices": [], "usage": usage})  # fmt: skip
         yield sse("[DONE]")
@@ -190,6 +190,6 @@ async def _collect(request: Request, job: Job, events: EventBuffer, plan: Plan, 
     texts, reasons, tokens, completion_tokens = result.result()  # raises the ApiError of a failed batch
     if plan.echo:
         texts = [plan.prompts[i // plan.n] + t for i, t in enumerate(texts)]
-    usage = usage_body(sum(plan.prompt_lens), completion_tokens)
+    usage = usage_body(sum(plan.prompt_lens), completion_tokens, job.cached_tokens)
     blocks = None if plan.logprobs is None else [shape.logprobs(plan, t) for t in tokens]
     return JSONResponse(shape.body(meta, texts, reasons, usage, blocks))

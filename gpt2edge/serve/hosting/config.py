@@ -53,6 +53,7 @@ class ServeConfig:
     api_key: str | None = None
     chat_template: str | None = None  # a jinja file for /v1/chat/completions, instead of the folder's own
     template_timeout_s: float = 2.0  # the longest one chat-template render may take (serve/api/chat_template.py)
+    prefix_cache_bytes: int = 0  # continuous: bytes of earlier prompts' KV kept for reuse (0: off; docs/serve.md)
 
     def __post_init__(self) -> None:
         # each bound named with the flag that sets it, before any model is loaded
@@ -82,6 +83,14 @@ class ServeConfig:
             raise ServeError(f"--shutdown-timeout must be in [0, 3600] seconds, got {self.shutdown_timeout_s}.")
         if not 0 < self.template_timeout_s <= 60:
             raise ServeError(f"template_timeout_s must be in (0, 60] seconds, got {self.template_timeout_s}.")
+        if self.prefix_cache_bytes < 0:
+            raise ServeError(f"--prefix-cache-bytes must be >= 0, got {self.prefix_cache_bytes}.")
+        if self.prefix_cache_bytes and self.deterministic:
+            # a cached prefix was computed in another batch, at another pad: not the bits the row gets alone
+            raise ServeError(
+                "--deterministic and --prefix-cache-bytes cannot be combined: a cached prefix's keys and values "
+                "were computed beside other rows; drop one of them."
+            )
         if self.max_connections < 1:
             raise ServeError(f"--max-connections must be >= 1, got {self.max_connections}.")
         if self.max_header_bytes < 1024:

@@ -69,6 +69,7 @@ _CONFIG_ARGS: dict[str, Callable[[str], Any]] = {
     "scheduler": str,
     "prefill_tokens": int,
     "deterministic": lambda v: str(v).lower() in ("1", "true", "yes"),
+    "prefix_cache_bytes": int,
 }
 _REPLICA_ARGS: dict[str, Callable[[Any], Any]] = {
     "device": str,

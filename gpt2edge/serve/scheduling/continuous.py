@@ -35,6 +35,7 @@ from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import advance, fail
 from gpt2edge.serve.scheduling.grouping import cache_rows, take_aligned
 from gpt2edge.serve.scheduling.jobs import Job, Row
+from gpt2edge.serve.scheduling.prefix_rows import prefix_rows
 from gpt2edge.serve.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("gpt2edge.serve")
@@ -50,6 +51,7 @@ class _Live:
     group: RowGroup
     recorder: LogprobRecorder | None
     in_cache: list[bool]  # per row of the job: holds a cache row now
+    prompts: list[list[int]]  # per row of the job: its prompt ids (the first positions of its cache row)
 
     @property
     def running(self) -> bool:
@@ -73,6 +75,7 @@ class ContinuousScheduler(Scheduler):
         self._live: list[_Live] = []  # jobs with rows in the cache, in admission order
         self._freed = 0  # cache rows the latest release freed (their clients may be about to send again)
         self._cycle_s = 0.0  # how long the latest join + decode step took
+        self.prefix = prefix_rows(self.slots, config.prefix_cache_bytes)  # None: --prefix-cache-bytes 0
 
     def _run_next(self) -> bool:
         """One decode step with whatever joins and leaves around it; False once stopping."""
@@ -121,7 +124,7 @@ class ContinuousScheduler(Scheduler):
         while self._waiting and len(self._waiting[0].rows) <= free and (not jobs or budget > 0):
             job = self._waiting.popleft()
             free -= len(job.rows)
-            budget -= sum(r.prompt_len for r in job.rows)
+            budget -= self._prefill_tokens(job)
             jobs.append(job)
         return jobs
 
@@ -133,6 +136,12 @@ class ContinuousScheduler(Scheduler):
             return []
         jobs, self._isolated = take_aligned(self._waiting, self.slots, self.config.prefill_tokens, self.align)
         return jobs
+
+    def _prefill_tokens(self, job: Job) -> int:
+        """What the job's join prefills: its prompt tokens, less those the prefix cache holds."""
+        if self.prefix is None:
+            return sum(r.prompt_len for r in job.rows)
+        return self.prefix.prefill_tokens(job)
 
     def _await_returning(self) -> None:
         """Rows freed by the last step: wait a moment (at most RETURN_SHARE of a cycle) for as many requests.
@@ -163,13 +172,16 @@ class ContinuousScheduler(Scheduler):
             group = RowGroup.start(params, ids, texts, width, self.slots.columns, job.constraint)
             for row, decoder in zip(job.rows, group.rows):
                 row.decoder = decoder
-            live = _Live(job, group, recorder, [True] * len(job.rows))
+            live = _Live(job, group, recorder, [True] * len(job.rows), ids)
             self._live.append(live)
             for i in range(len(job.rows)):
                 self._cache_rows.append((live, i))
                 self._pending.append(-1)
             prompts += ids
-        lp = self.slots.join(prompts, gen.pad_token_id)
+        cached = None if self.prefix is None else self.prefix.lookup(jobs, prompts)
+        lp = self.slots.join(prompts, gen.pad_token_id, cached)
+        if self.prefix is not None:
+            self.prefix.joined(first, prompts)
         with self._cond:
             self._stats.batches += 1
             self._stats.rows_served += len(prompts)
@@ -225,6 +237,8 @@ class ContinuousScheduler(Scheduler):
                 dropped += 1
             if not row.done:
                 continue
+            if self.prefix is not None:
+                self.prefix.leaving(c, live.prompts[i], row.decoder.generated)
             moved = self.slots.free(c)
             if moved is not None:
                 self._cache_rows[c], self._pending[c] = self._cache_rows[moved], self._pending[moved]
@@ -233,6 +247,8 @@ class ContinuousScheduler(Scheduler):
             live.in_cache[i] = False
             freed += 1
         self._freed += freed
+        if self.prefix is not None:
+            self.prefix.keep = True
         ended = [live for live in self._live if not live.running]
         if ended:
             self._live = [live for live in self._live if live.running]
@@ -246,6 +262,8 @@ class ContinuousScheduler(Scheduler):
     def _fail_all(self, message: str) -> None:
         """A failed step: every job in the cache is told, and the cache is emptied."""
         fail([live.job for live in self._live], message)
+        if self.prefix is not None:
+            self.prefix.keep = False  # the failed step may have left the rows half-written: none is cached
         for c in reversed(range(len(self._cache_rows))):
             self._cache_rows[c][0].job.rows[self._cache_rows[c][1]].done = True
 
@@ -256,6 +274,8 @@ class ContinuousScheduler(Scheduler):
         out.update({f"cache_{k}_s": round(v, 4) for k, v in self.slots.seconds.items()})
         out["cache_relayouts"] = self.slots.relayouts
         out["cache_slots_read"], out["cache_slots_used"] = self.slots.slots_read, self.slots.slots_used
+        if self.prefix is not None:
+            out.update(self.prefix.stats())
         return out
 
 

@@ -123,6 +123,7 @@ class Job:
     id: int = field(default_factory=lambda: next(_ids))
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = field(default=None, init=False)
+    cached_tokens: int = field(default=0, init=False)  # prompt tokens the prefix cache supplied (set at join)
     rows: list[Row] = field(init=False)
     _cancelled: threading.Event = field(default_factory=threading.Event, init=False)
 

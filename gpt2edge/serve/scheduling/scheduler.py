@@ -53,7 +53,7 @@ class Scheduler:
         self.config = config
         # a --static graph runs at most its batch of rows, each within its cache capacity; memory bounds the rest
         self.n_positions = int(generator.lm.n_positions)
-        self.max_rows, self._rows_why = serving_rows(generator, config.max_batch)
+        self.max_rows, self._rows_why = serving_rows(generator, config.max_batch, config.prefix_cache_bytes)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
