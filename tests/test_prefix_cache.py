@@ -17,7 +17,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed: pip ins
 from click.testing import CliRunner  # noqa: E402
 
 from gpt2edge.cli import main  # noqa: E402
-from gpt2edge.errors import ServeError  # noqa: E402
+from gpt2edge.errors import GenerationError, ServeError  # noqa: E402
 from gpt2edge.memory import ENV  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.runtime.model.prefix_cache import BLOCK, PrefixCache  # noqa: E402
@@ -243,3 +243,15 @@ def test_a_prefix_cache_beyond_the_machine_is_refused_at_start(tiny_export, monk
         ServeConfig(model_name="tiny", prefix_cache_bytes=-1)
     result = CliRunner().invoke(main, ["serve", str(tiny_export), "--prefix-cache-bytes", "lots"])
     assert result.exit_code == 2 and "is not a size" in result.output
+
+
+def test_deterministic_refuses_a_prefix_cache(tiny_export):
+    """A cached prefix was computed beside other rows, at another pad: --deterministic cannot promise its bits."""
+    with pytest.raises(ServeError, match="--deterministic and --prefix-cache-bytes cannot be combined"):
+        ServeConfig(model_name="tiny", deterministic=True, prefix_cache_bytes=1 << 20)
+    ServeConfig(model_name="tiny", deterministic=True)  # either alone is fine
+    with pytest.raises(GenerationError, match="deterministic=True and prefix_cache_bytes cannot be combined"):
+        Generator(tiny_export, deterministic=True, prefix_cache_bytes=1 << 20)
+    result = CliRunner().invoke(main, ["serve", str(tiny_export), "--deterministic", "--prefix-cache-bytes", "1M"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: ") and "combined" in lines[0]
