@@ -54,8 +54,11 @@ class SoloRows:
             self._lms.append(self.graph.new_lm())
         return self._lms[i]
 
-    def join(self, prompts: list[list[int]], pad_id: int) -> np.ndarray:
-        """Prefill each prompt alone into free rows live .. live+n-1; returns their (n, W) next-token log-probs."""
+    def join(self, prompts: list[list[int]], pad_id: int, prefixes: list | None = None) -> np.ndarray:
+        """Prefill each prompt alone into free rows live .. live+n-1; returns their (n, W) next-token log-probs.
+        `prefixes` (SlotLM.join's cached prefixes) must be None: a row computed alone reuses no other's keys."""
+        if prefixes is not None and any(prefixes):
+            raise GenerationError("Rows computed alone (--deterministic) take no cached prefix.")
         n = len(prompts)
         if n > self.free_rows:
             raise GenerationError(f"{n} rows asked for, {self.free_rows} free.")
