@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt2edge import __version__, cpu_facts
-from gpt2edge.manifest import file_digest, resolve_inside, write_text_atomic
-from gpt2edge.manifest.verified import SETTLE_NS, cache_root
+from gpt2edge.manifest import file_digest, resolve_inside, verified, write_text_atomic
 
 GRAPH_NAME = "model.onnx"
 DATA_NAME = "model.onnx.data"
@@ -76,7 +75,7 @@ class GraphCache:
     def dir(self) -> Path:
         # one entry per graph path and options: a changed folder replaces its entry instead of adding one
         name = json.dumps({"graph": os.path.realpath(self.graph), "options": list(self.options)})
-        return cache_root() / "graphs" / hashlib.sha256(name.encode()).hexdigest()[:40]
+        return verified.cache_root() / "graphs" / hashlib.sha256(name.encode()).hexdigest()[:40]
 
     def source_paths(self) -> list[Path]:
         return [resolve_inside(self.folder, rel) for rel in sorted(self.sources)]
@@ -160,7 +159,7 @@ class GraphCache:
             key = self.key()
             if key != before:
                 return False
-            settled = time.time_ns() - SETTLE_NS
+            settled = time.time_ns() - verified.SETTLE_NS
             if any(f["mtime_ns"] > settled for f in key["sources"].values()):
                 return False  # a source written this recently could change again within the same clock tick
             files = {n: {**_stat(tmp / n), "sha256": file_digest(tmp / n)["sha256"]} for n in (GRAPH_NAME, DATA_NAME)}
@@ -182,7 +181,7 @@ def _read_json(path: Path) -> Any:
         with open(path, "rb") as f:
             raw = f.read(_MAX_RECORD_BYTES + 1)
         return json.loads(raw) if len(raw) <= _MAX_RECORD_BYTES else {}
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no entry (or no cache directory) yet
         return None
     except (OSError, ValueError, RecursionError):
         return {}  # present but unreadable: said and rebuilt
