@@ -5,6 +5,7 @@ verify="full"; an unwritable cache directory only costs the optimization; the fo
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from gpt2edge.manifest import verified
+from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.runtime.generator import Generator
 from gpt2edge.runtime.model import graph_cache
 from gpt2edge.runtime.model.folder import ModelFolder
@@ -69,7 +71,24 @@ def used_cache(graph) -> bool:
     return graph.session._model_path.startswith(str(verified.cache_root()))
 
 
-def test_second_start_loads_the_cached_graph_with_identical_outputs(folder):
+@pytest.fixture(scope="module")
+def kinds(tiny_export, tiny_export_shared, tmp_path_factory):
+    """The graph kinds a CPU session caches: fp32 (both KV caches), int8 and int4 (MatMulNBits, prepacked)."""
+    root = tmp_path_factory.mktemp("cache-kinds")
+    out = {"fp32": tiny_export, "fp32-shared": tiny_export_shared}
+    for mode in ("int8", "int4"):
+        quantize_model(tiny_export, root / mode, make_recipe(mode), report=False, log=io.StringIO())
+        out[mode] = root / mode
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fp32", "fp32-shared", "int8", "int4"])
+def test_second_start_loads_the_cached_graph_with_identical_outputs(kinds, kind, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT2EDGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(verified, "SETTLE_NS", 50_000_000)
+    folder = tmp_path / "model"
+    shutil.copytree(kinds[kind], folder)
+    time.sleep(0.1)
     fresh_ids, fresh_lp = run(folder, cache="0")
     assert not (verified.cache_root() / "graphs").exists()  # GPT2EDGE_GRAPH_CACHE=0: nothing saved
     first_ids, first_lp = run(folder)  # optimizes and saves
