@@ -18,11 +18,15 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,7 +44,10 @@ def cpu_name() -> str:
 
 
 def timed(cmd: list[str], env: dict, echo: int) -> dict:
-    """Run cmd: seconds to the first byte past the `echo` bytes of prompt it prints, to exit, and its peak RSS."""
+    """Seconds to the first byte past the `echo` bytes of prompt cmd prints, to exit, and its peak RSS; for
+    `gpt2edge serve`, health_ready."""
+    if cmd[1] == "serve":
+        return health_ready(cmd, env, int(cmd[cmd.index("--port") + 1]))
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, bufsize=0)
     seen, first = 0, None
@@ -55,6 +62,27 @@ def timed(cmd: list[str], env: dict, echo: int) -> dict:
     if p.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd)} exited {p.returncode}: {err.decode()[-400:]}")
     return {"first_s": first if first is not None else total, "total_s": total, "rss_mb": usage.ru_maxrss / 1024}
+
+
+def health_ready(cmd: list[str], env: dict, port: int) -> dict:
+    """Start `gpt2edge serve` and poll GET /health every 10 ms: seconds until it answers 200, and peak RSS."""
+    log = tempfile.TemporaryFile()  # a file, not a pipe: every poll adds an access-log line
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    ready = None
+    while ready is None and p.poll() is None and time.perf_counter() - t0 < 300:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                ready = time.perf_counter() - t0 if r.status == 200 else None
+        except (OSError, urllib.error.HTTPError):
+            pass
+        time.sleep(0.01)
+    p.send_signal(signal.SIGINT)
+    _, _, usage = os.wait4(p.pid, 0)
+    if ready is None:
+        log.seek(0)
+        raise SystemExit(f"error: {' '.join(cmd)} never became ready: {log.read().decode()[-400:]}")
+    return {"first_s": ready, "total_s": ready, "rss_mb": usage.ru_maxrss / 1024}
 
 
 def folder_bytes(path: str) -> int:
@@ -73,6 +101,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gpt2edge", default=shutil.which("gpt2edge") or "gpt2edge")
     ap.add_argument("--json", help="also write every run here (JSON lines)")
+    ap.add_argument("--health", action="store_true", help="also time `gpt2edge serve` to its first /health 200")
     args = ap.parse_args()
     cache = tempfile.mkdtemp(prefix="gpt2edge-cold-bench-")  # records and graphs of this run only
     base = {**os.environ, "GPT2EDGE_CACHE_DIR": cache}
@@ -85,6 +114,12 @@ def main() -> None:
         for v in args.variants.split(","):
             env = {**base, "GPT2EDGE_GRAPH_CACHE": "0" if v == "nocache" else "1"}
             runs.append((label, v, folder, gen + (["--verify"] if v == "full" else []), env))
+            if args.health:
+                with socket.socket() as sock:  # a free port for this cell's server
+                    sock.bind(("127.0.0.1", 0))
+                    port = sock.getsockname()[1]
+                serve = [args.gpt2edge, "serve", folder, "--port", str(port), "-t", str(args.threads)]
+                runs.append((label, f"{v} /health", folder, serve + (["--verify"] if v == "full" else []), env))
     for cell in args.gguf:
         label, gguf = cell.split("=", 1)
         cmd = [args.llama, "-m", gguf, "-n", str(args.new_tokens), PROMPT]
