@@ -19,6 +19,7 @@ from gpt2edge.manifest.external_data import check_external_data
 from gpt2edge.manifest.records import ATTENTION_OPS, GENERATION_CONFIG, GraphInfo, Manifest, ModelDims
 from gpt2edge.manifest.verified import verify_folder
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
+from gpt2edge.runtime.model.graph_cache import GraphCache
 
 _DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 
@@ -27,6 +28,7 @@ _DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 class ModelFolder:
     path: Path
     info: Manifest  # the typed, validated manifest
+    verify: bool | str = "fast"  # how it was opened: "full" also hashes its optimized-graph cache entry
 
     @classmethod
     def open(cls, path: str | Path, verify: bool | str = True) -> ModelFolder:
@@ -59,7 +61,13 @@ class ModelFolder:
         note = target_note(info.raw, str(path))  # an ARM folder for features this ARM CPU lacks: runs, slower
         if note is not None:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
-        return cls(path=path, info=info)
+        return cls(path=path, info=info, verify=mode)
+
+    def graph_cache(self) -> GraphCache:
+        """The folder's entry in the optimized-graph cache (gpt2edge.runtime.model.graph_cache), keyed by its graph
+        files' checksums as the manifest lists them."""
+        sources = {rel: self.info.files[rel].sha256 for rel in self.info.graph.files if rel in self.info.files}
+        return GraphCache(self.path, self.graph_path, sources, full=self.verify == "full")
 
     @property
     def manifest(self) -> dict[str, Any]:

@@ -47,8 +47,8 @@ class OrtGraph:
             )
         self.session = create_session(
             folder.graph_path, device=device, threads=threads, model_format=folder.graph_format, spin=spin,
-            lean=lean, precision=folder.precision, kleidiai=folder.kleidiai,
-        )
+            lean=lean, precision=folder.precision, kleidiai=folder.kleidiai, cache=folder.graph_cache(),
+        )  # fmt: skip
         d = folder.dims
         self.n_layer, self.n_head, self.head_dim = d["n_layer"], d["n_head"], d["head_dim"]
         self.vocab_size, self.n_positions = d["vocab_size"], d["n_positions"]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +15,8 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from gpt2edge import cpu_facts
 from gpt2edge.errors import DeviceError, ModelFolderError
+from gpt2edge.runtime.model import graph_cache
+from gpt2edge.runtime.model.graph_cache import GraphCache
 from gpt2edge.runtime.model.mapped_graph import mapped_model
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -132,7 +137,7 @@ def mapped_source(graph: Path, opts: ort.SessionOptions) -> str | bytes:
 
 def create_session(
     graph: Path, device: str = "cpu", threads: int | None = None, model_format: str = "onnx", spin: bool = True,
-    lean: bool = False, precision: str | None = None, kleidiai: bool = True,
+    lean: bool = False, precision: str | None = None, kleidiai: bool = True, cache: GraphCache | None = None,
 ) -> ort.InferenceSession:  # fmt: skip
     """A session on `device` ('cpu' or 'cuda'); raises DeviceError rather than silently falling back.
 
@@ -143,6 +148,8 @@ def create_session(
     weights' as the manifest says, decides whether prepacking may go; a one-file graph's weights mapped from the
     file, mapped_source); the same graph, values equal up to the GEMMs' rounding (tests/test_scale_memory.py).
     kleidiai=False: the folder's recipe keeps ONNX Runtime's KleidiAI kernels off (ModelFolder.kleidiai, kleidiai_off).
+    cache: the folder's entry in the optimized-graph cache (gpt2edge.runtime.model.graph_cache): a CPU session
+    of an .onnx graph loads the graph optimized by an earlier start, or saves the one it optimizes.
     """
     if device not in PROVIDERS:
         raise DeviceError(f"Unknown device '{device}'; choose one of {', '.join(PROVIDERS)}.")
@@ -170,17 +177,73 @@ def create_session(
         opts.add_session_config_entry("session.load_model_format", "ORT")
     source = mapped_source(graph, opts) if lean and model_format == "onnx" else str(graph)
     providers = [PROVIDERS[device]] if device == "cpu" else [PROVIDERS[device], PROVIDERS["cpu"]]
-    try:
-        sess = ort.InferenceSession(source, sess_options=opts, providers=providers, disabled_optimizers=disabled)
-    except Exception as e:  # ORT's own exception types (InvalidProtobuf, Fail, ...) share no base but Exception
-        raise ModelFolderError(
-            f"ONNX Runtime cannot load {graph} on {device} ({ort_message(e)}); if the file was changed or "
-            "truncated, export the model again."
-        ) from e
+    if cache is not None and device == "cpu" and model_format == "onnx" and not lean and graph_cache.enabled():
+        # the options that change what the optimizers write name the entry (threads and spinning do not)
+        options = (
+            ("level", "all"),
+            ("disabled", ",".join(disabled)),
+            (KLEIDIAI_KEY, str(kleidiai_off(recipe=kleidiai))),
+        )
+        entry = dataclasses.replace(cache, options=options)
+        sess = cached_session(entry, graph, opts, providers, disabled)
+    else:
+        sess = _session(graph, source, opts, providers, disabled, device)
     if PROVIDERS[device] not in sess.get_providers():
         # ORT falls back to CPU when CUDA libraries fail to load; say so instead of running slowly
         raise DeviceError(
             f"{PROVIDERS[device]} is installed but could not start (CUDA/cuDNN libraries missing?); "
             "see onnxruntime's log above, or use --device cpu."
         )
+    return sess
+
+
+def _session(graph: Path, source: str | bytes, opts, providers: list[str], disabled: list[str], device: str):
+    try:
+        return ort.InferenceSession(source, sess_options=opts, providers=providers, disabled_optimizers=disabled)
+    except Exception as e:  # ORT's own exception types (InvalidProtobuf, Fail, ...) share no base but Exception
+        raise ModelFolderError(
+            f"ONNX Runtime cannot load {graph} on {device} ({ort_message(e)}); if the file was changed or "
+            "truncated, export the model again."
+        ) from e
+
+
+def cached_session(
+    entry: GraphCache, graph: Path, opts: ort.SessionOptions, providers: list[str], disabled: list[str]
+) -> ort.InferenceSession:
+    """A session of the cached optimized graph when `entry` holds a usable one (loaded at ORT_DISABLE_ALL: it is
+    optimized already, its weights mapped from the cache file); else a session of `graph` that saves its
+    optimized graph into the cache for the next start."""
+    cached = entry.usable()
+    if cached is not None:
+        level = opts.graph_optimization_level
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        try:
+            return ort.InferenceSession(str(cached), sess_options=opts, providers=providers)
+        except Exception as e:  # a file damaged in a way its record could not see: say so, and rebuild
+            warnings.warn(
+                f"the optimized graph cached in {entry.dir} does not load ({ort_message(e)}); rebuilding it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            shutil.rmtree(entry.dir, ignore_errors=True)
+            opts.graph_optimization_level = level
+    try:
+        before = entry.key()
+        tmp = entry.writer(sum(os.path.getsize(p) for p in entry.source_paths()))
+    except OSError:  # a source that cannot be stat'ed: ONNX Runtime's load names it
+        tmp = None
+    if tmp is not None:
+        opts.optimized_model_filepath = str(tmp / graph_cache.GRAPH_NAME)
+        opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", graph_cache.DATA_NAME)
+        opts.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes", str(graph_cache.EXTERNAL_MIN_BYTES)
+        )
+    try:
+        sess = _session(graph, str(graph), opts, providers, disabled, "cpu")
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if tmp is not None:
+        entry.commit(tmp, before)
     return sess
