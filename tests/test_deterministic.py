@@ -188,3 +188,38 @@ def test_http_requests_with_logprobs_equal_their_runs_alone(variants):
             with ThreadPoolExecutor(len(bodies)) as pool:
                 together = list(pool.map(post, bodies))
         assert together == alone, name
+
+
+def test_a_request_of_unaligned_prompts_is_not_starved_by_steady_traffic():
+    """A request whose prompts differ in length mod the alignment joins only an empty cache; younger aligned
+    requests must not keep the cache from ever emptying (they wait behind it)."""
+    from types import SimpleNamespace as NS
+
+    from gpt2edge.serve.scheduling.grouping import take_aligned
+
+    def job(lens, name):
+        return NS(rows=[NS(prompt_len=n) for n in lens], name=name)
+
+    slots = NS(live=3, past_len=20, free_rows=1)
+    waiting, joined = deque(), {}
+    for step in range(400):
+        if step == 5:
+            waiting.append(job([10, 13], "unaligned"))  # residues 2 and 5 mod 8
+        if step % 3 == 0:
+            waiting.append(job([8 + step % 8], f"s{step}"))  # a request every third step
+        if slots.live and step % 3 == 1:
+            slots.live -= 1  # and one leaves every third step
+        slots.free_rows = 4 - slots.live
+        jobs, isolated = take_aligned(waiting, slots, 256, 8)
+        for j in jobs:
+            if slots.live == 0:
+                slots.past_len = max(r.prompt_len for r in j.rows)
+            slots.live += len(j.rows)
+            joined[j.name] = step
+        slots.free_rows = 4 - slots.live
+        slots.past_len += 1
+        if isolated:  # the scheduler admits nobody else until its rows have left
+            while slots.live:
+                slots.live -= 1
+                step += 1
+    assert "unaligned" in joined and joined["unaligned"] < 40, joined.get("unaligned")

@@ -204,3 +204,50 @@ def test_an_unwritable_cache_directory_only_costs_the_optimization(folder, tmp_p
     fresh_ids, fresh_lp = run(folder, cache="0")
     assert ids == fresh_ids
     np.testing.assert_array_equal(lp, fresh_lp)
+
+
+@pytest.mark.parametrize(
+    "record",
+    [{"key": [], "files": {}}, {"key": {}, "files": {"model.onnx": 3, "model.onnx.data": 4}}, [1, 2], "text"],
+    ids=["key-a-list", "files-not-records", "a-list", "a-string"],
+)
+def test_a_record_of_another_shape_is_said_and_rebuilt(folder, record):
+    """Valid JSON that is not our record must not stop the model loading on every start."""
+    load(folder)
+    (entry_dir(folder) / graph_cache.RECORD_NAME).write_text(json.dumps(record))
+    _, said = load(folder)
+    assert len(said) == 1 and "not one of gpt2edge's" in said[0] and "rebuilding" in said[0], said
+    _, said = load(folder)  # rebuilt: the next start uses it quietly
+    assert said == []
+
+
+def test_a_save_onnx_runtime_cannot_write_still_loads_the_model(folder, monkeypatch):
+    """A full disk, a quota or a cleaner removing the temp folder makes ORT's save fail: the model still loads,
+    uncached, with one line saying so."""
+    real = graph_cache.tempfile.mkdtemp
+
+    def vanishing(**kw):  # the temp folder is gone by the time ONNX Runtime writes into it
+        d = real(**kw)
+        shutil.rmtree(d)
+        return d
+
+    monkeypatch.setattr(graph_cache.tempfile, "mkdtemp", vanishing)
+    graph, said = load(folder)
+    assert len(said) == 1 and "could not be cached" in said[0], said
+    assert graph.session is not None
+    assert not (verified.cache_root() / "graphs").exists() or not any(
+        p.name == graph_cache.RECORD_NAME for p in (verified.cache_root() / "graphs").rglob("*")
+    )
+
+
+def test_a_graph_rewritten_with_its_mtime_kept_is_a_change(folder):
+    """cp -p / rsync -a keep the mtime; the inode or ctime still change: the entry is not reused."""
+    load(folder)
+    graph_file = next(p for p in folder.iterdir() if p.suffix == ".onnx")
+    st = os.stat(graph_file)
+    data = graph_file.read_bytes()
+    graph_file.unlink()
+    graph_file.write_bytes(data)  # the same bytes, a new inode
+    os.utime(graph_file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    _, said = load(folder)
+    assert len(said) == 1 and "changed since it was made" in said[0], said

@@ -255,3 +255,15 @@ def test_deterministic_refuses_a_prefix_cache(tiny_export):
     result = CliRunner().invoke(main, ["serve", str(tiny_export), "--deterministic", "--prefix-cache-bytes", "1M"])
     lines = result.output.strip().splitlines()
     assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: ") and "combined" in lines[0]
+
+
+def test_the_next_batch_scheduler_takes_no_memory_for_a_prefix_cache(tiny_export, caplog):
+    """Only the continuous scheduler reuses prefixes: elsewhere the flag is said to be ignored and costs no rows."""
+    from gpt2edge.serve.scheduling.continuous import make_scheduler
+
+    gen = Generator(tiny_export, threads=1)
+    config = ServeConfig(model_name="tiny", scheduler="next-batch", prefix_cache_bytes=1 << 24)
+    with caplog.at_level("WARNING", logger="gpt2edge.serve"):
+        scheduler = make_scheduler(gen, config)
+    assert scheduler.config.prefix_cache_bytes == 0 and "--prefix-cache-bytes is ignored" in caplog.text
+    assert scheduler.max_rows == serving_rows(gen, None)[0]  # not shrunk for a cache it does not keep

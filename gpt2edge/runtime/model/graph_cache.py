@@ -57,7 +57,10 @@ def cpu_key() -> dict[str, str]:
 
 
 def _stat(path: Path) -> dict[str, int]:
-    st = os.stat(path)
+    return _stat_of(os.stat(path))
+
+
+def _stat_of(st: os.stat_result) -> dict[str, int]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino}
 
 
@@ -85,7 +88,8 @@ class GraphCache:
         files = {}
         for rel, sha in sorted(self.sources.items()):
             st = os.stat(resolve_inside(self.folder, rel))
-            files[rel] = {"sha256": sha, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+            # ctime and inode too: a graph rewritten in place with its mtime kept (cp -p, rsync -a) is a change
+            files[rel] = {"sha256": sha, **_stat_of(st)}
         import onnxruntime as ort
 
         return {"gpt2edge": __version__, "onnxruntime": ort.__version__, "cpu": cpu_key(), "sources": files}
@@ -100,6 +104,8 @@ class GraphCache:
             why = self._mismatch(record)
         except OSError as e:
             why = f"its files cannot be read ({e.strerror or e})"
+        except (AttributeError, TypeError, KeyError, ValueError):  # valid JSON of another shape: not our record
+            why = "its record is not one of gpt2edge's"
         if why is None:
             return self.dir / GRAPH_NAME
         warnings.warn(
@@ -109,7 +115,10 @@ class GraphCache:
 
     def _mismatch(self, record: dict) -> str | None:
         key = self.key()
-        if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        files = record.get("files") if isinstance(record, dict) else None
+        if not isinstance(record.get("key") if files is not None else None, dict) or not isinstance(files, dict):
+            return "its record is not one of gpt2edge's"
+        if not all(isinstance(want, dict) for want in files.values()):
             return "its record is not one of gpt2edge's"
         if record.get("key", {}).get("sources") != key["sources"]:
             return f"{self.folder} changed since it was made"

@@ -240,6 +240,17 @@ def cached_session(
         )
     try:
         sess = _session(graph, str(graph), opts, providers, disabled, "cpu")
+    except ModelFolderError:
+        if tmp is None:
+            raise
+        # the cache is optional: a save ONNX Runtime could not write (a full disk, a quota, a removed temp folder)
+        # must not stop the model loading; without it, a real load error is still raised (by the same call)
+        shutil.rmtree(tmp, ignore_errors=True)
+        opts.optimized_model_filepath = ""
+        sess = _session(graph, str(graph), opts, providers, disabled, "cpu")
+        warnings.warn("the optimized graph could not be cached (ONNX Runtime could not save it)", RuntimeWarning,
+                      stacklevel=2)  # fmt: skip
+        return sess
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

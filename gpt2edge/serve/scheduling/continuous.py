@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -300,4 +300,7 @@ def make_scheduler(generator, config: ServeConfig) -> Scheduler:
         if why is None:
             return ContinuousScheduler(generator, config)
         log.warning("continuous batching is off: %s; using the next-batch scheduler", why)
+    if config.prefix_cache_bytes:  # only the continuous scheduler's join reuses a prefix: take no memory for it
+        log.warning("--prefix-cache-bytes is ignored: the next-batch scheduler has no prefix cache")
+        config = replace(config, prefix_cache_bytes=0)
     return Scheduler(generator, config)

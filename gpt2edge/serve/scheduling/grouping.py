@@ -42,16 +42,17 @@ def take_aligned(waiting: deque[Job], slots: SlotLM, budget: int, align: int) ->
     rows fit the free cache rows and their prompt tokens the prefill budget (the first always). P advances by
     one per step, so a job waits at most align - 1 steps for its turn. Into an empty cache the oldest job sets
     P; a job whose own rows are not congruent joins only an empty cache, and no other joins it until it ends
-    (it then runs as it does alone)."""
+    (it then runs as it does alone); while it waits, no younger job joins (else steady traffic would keep the
+    cache from ever emptying), so it waits at most for the rows in the cache to finish."""
     free, jobs, isolated = slots.free_rows, [], False
     residue = slots.past_len % align if slots.live else None
     for job in list(waiting):
         if len(job.rows) > free or (jobs and budget <= 0):
             break
         lens = {r.prompt_len % align for r in job.rows}
-        if residue is None and len(lens) > 1:
-            if jobs:
-                continue
+        if len(lens) > 1 and (jobs or residue is not None):
+            break  # it needs an empty cache: nothing younger overtakes it, so the cache drains and it joins next
+        if len(lens) > 1:
             isolated = True
         elif residue is not None and lens != {residue}:
             continue
