@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpt2edge.api_args import path_arg
 from gpt2edge.convert.ort_format import check_ort_size
 from gpt2edge.convert.web import check_web, write_web
 from gpt2edge.errors import ConvertError
@@ -27,6 +28,7 @@ Writer = Callable[[ModelFolder, Path], "tuple[dict[str, Any], dict[str, Any]]"]
 def convert_folder(src: str | Path, out: str | Path, fmt: str, *, force: bool = False) -> dict[str, Any]:
     """Write export folder `src` in format `fmt` ("ort", "genai" or "web") to the new folder `out`; returns its
     manifest. Every check runs before anything is written; a failure leaves no `out` behind."""
+    src, out = path_arg(src, "src"), path_arg(out, "out")  # a TypeError names a wrong type, before any other check
     if fmt not in FORMATS:
         raise ConvertError(f"Unknown format '{fmt}'; choose one of {', '.join(FORMATS)}.")
     d = Derivation(src, out, "convert", force=force)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpt2edge.api_args import text_arg
+from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import QuantizeError
 from gpt2edge.extras import require_extra
 from gpt2edge.folder.derive import Derivation
@@ -54,6 +54,7 @@ def quantize_model(
     require_extra("quantize", "quantize")
     from gpt2edge.quality import check_report_text, compare_folders, print_report
 
+    src, out = path_arg(src, "src"), path_arg(out, "out")  # a TypeError names a wrong type, before any other check
     text = None if text is None else text_arg(text, "text")
     d = Derivation(src, out, "quantize", force=force)
     info, src = d.parent, d.src

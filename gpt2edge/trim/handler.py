@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from gpt2edge.api_args import text_arg
+from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import TrimError
 from gpt2edge.folder.checks import check_inputs
 from gpt2edge.folder.derive import Derivation
@@ -99,6 +99,7 @@ def trim_vocab(
     from gpt2edge.quantize.graph import write_variant
     from gpt2edge.trim.graph import trim_head
 
+    src, out = path_arg(src, "src"), path_arg(out, "out")  # a TypeError names a wrong type, before any other check
     text = None if text is None else text_arg(text, "text")
     d = check_request(src, out, keep_from, keep_ids, top, force)
     info, src = d.parent, d.src
