@@ -99,6 +99,8 @@ BYTES = _Bytes()
               help="Every request gets the tokens and log-probs it gets alone, whatever else runs (slower).")
 @click.option("--prefix-cache-bytes", type=BYTES, default="0", show_default=True,
               help="Continuous: keep earlier prompts' KV up to this size (e.g. 512M) and reuse it; 0 = off.")
+@click.option("--slot-save-path", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of POST /slots/{id}?action=save|restore files (needs --prefix-cache-bytes) [default: off].")
 @click.option("--api-key", envvar="GPT2EDGE_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' (401 otherwise; also $GPT2EDGE_API_KEY). Never logged.")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -149,6 +151,7 @@ def serve(
     prefill_tokens,
     deterministic,
     prefix_cache_bytes,
+    slot_save_path,
     api_key,
     chat_template,
     header_timeout,
@@ -179,7 +182,7 @@ def serve(
         header_timeout_s=header_timeout, body_timeout_s=body_timeout, keep_alive_s=keep_alive,
         max_connections=max_connections, max_header_bytes=max_header_kb * 1024, shutdown_timeout_s=shutdown_timeout,
         api_key=api_key, prefill_tokens=prefill_tokens, deterministic=deterministic,
-        prefix_cache_bytes=prefix_cache_bytes,
+        prefix_cache_bytes=prefix_cache_bytes, slot_save_path=None if slot_save_path is None else str(slot_save_path),
         chat_template=None if chat_template is None else str(chat_template),
     )  # fmt: skip
     ready = lambda url: click.echo(f"serving {name} on {url} (OpenAI API at {url}/v1; Ctrl-C stops)")

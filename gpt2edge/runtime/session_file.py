@@ -75,8 +75,11 @@ def model_facts(lm: Any) -> dict[str, Any]:
     }
 
 
-def save_session(path: str | os.PathLike, lm: Any, tokens: list[int], cached: int) -> Path:
-    """Write `tokens` and the first `cached` positions of `lm`'s one-row cache to `path`, atomically."""
+def save_session(
+    path: str | os.PathLike, lm: Any, tokens: list[int], cached: int, tensors: list[np.ndarray] | None = None
+) -> Path:
+    """Write `tokens` and the first `cached` positions of `lm`'s one-row cache to `path`, atomically; or, given
+    `tensors` (2 x n_layer of (n_head, cached, head_dim): a server slot's prefix-cache blocks), those."""
     path = path_arg(path, "path")
     facts = model_facts(lm)
     try:  # a name too long for the file system, or with a NUL, raises from the checks themselves
@@ -89,7 +92,7 @@ def save_session(path: str | os.PathLike, lm: Any, tokens: list[int], cached: in
     dtype = np.dtype(lm.kv_dtype).newbyteorder("<")
     arrays = [np.asarray(tokens, dtype="<i8")]
     if cached:
-        arrays += [np.ascontiguousarray(t, dtype=dtype) for t in lm.row_tensors()]
+        arrays += [np.ascontiguousarray(t, dtype=dtype) for t in (lm.row_tensors() if tensors is None else tensors)]
     digest = hashlib.sha256()
     for a in arrays:
         digest.update(memoryview(a).cast("B"))
@@ -120,9 +123,10 @@ def save_session(path: str | os.PathLike, lm: Any, tokens: list[int], cached: in
     return path
 
 
-def read_session(path: str | os.PathLike, lm: Any) -> SavedSession:
+def read_session(path: str | os.PathLike, lm: Any, max_cached: int | None = None) -> SavedSession:
     """Read and check a saved session for `lm`'s folder; raises SessionFileError, reading no array larger than
-    the model's cache."""
+    the model's cache (nor, given max_cached, a file holding more cached positions: refused before its payload
+    is read, e.g. one that a server's prefix cache could not hold)."""
     path = path_arg(path, "path")
     facts = model_facts(lm)
     try:
@@ -136,6 +140,10 @@ def read_session(path: str | os.PathLike, lm: Any) -> SavedSession:
             size = os.fstat(f.fileno()).st_size
             header, start = _header(f, path)
             expected = _check_header(header, facts, path)
+            if max_cached is not None and header["cached"] > max_cached:
+                raise SessionFileError(
+                    f"{path} holds {header['cached']} cached positions, more than the {max_cached} that fit here."
+                )
             if size != start + expected:
                 raise SessionFileError(
                     f"{path} is truncated or has extra bytes: {size} bytes, its header says {start + expected}."

@@ -92,6 +92,12 @@ class PrefixCache:
         with self._lock:
             return len(self._walk(ids, max(0, limit) // BLOCK)) * BLOCK
 
+    def held(self, ids: Sequence[int]) -> list[np.ndarray]:
+        """The blocks held now for ids' longest cached prefix (no counters, no recency: what a saved server slot
+        writes to its file)."""
+        with self._lock:
+            return [node.kv for node in self._walk(ids, len(ids) // BLOCK)]
+
     def insert(self, ids: Sequence[int], tensors: Sequence[np.ndarray]) -> int:
         """Remember the KV of ids: tensors[t] is (nh, >= len(ids), hs) for the first len(ids) positions (views are
         fine: the blocks not held yet are copied). Only whole blocks are kept. Returns the blocks added."""

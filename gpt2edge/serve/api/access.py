@@ -25,7 +25,8 @@ from gpt2edge.serve.hosting.config import ServeConfig
 access_log = logging.getLogger("gpt2edge.access")
 _ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 OPEN_PATHS = ("/health", "/metrics")  # an orchestrator's probes and scrapes need no key
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize",
+          "/slots")
 
 
 def request_id(headers: Headers) -> str:
@@ -37,6 +38,8 @@ def _route(path: str) -> str:
     """A bounded label set for metrics: known routes, else "other"."""
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
+    if path.startswith("/slots/"):
+        return "/slots/{id_slot}"
     return path if path in ROUTES else "other"
 
 

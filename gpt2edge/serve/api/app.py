@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI-compatible /v1/completions and /v1/chat/completions (plain or SSE), /v1/models, and
-the operators' endpoints (/health, /metrics, /tokenize, /detokenize).
+the operators' endpoints (/health, /metrics, /tokenize, /detokenize, llama-server's /slots).
 
 The app does no model work: it checks a request, hands it to the scheduler as a Job, and turns the Job's events
 (delivered onto this event loop from the scheduler thread) into a response. With background=True the model
@@ -28,6 +28,7 @@ from gpt2edge.serve.api.completions import router as completions_router
 from gpt2edge.serve.api.http import error_response
 from gpt2edge.serve.api.ops import router as ops_router
 from gpt2edge.serve.api.protocol import ApiError
+from gpt2edge.serve.api.slots import router as slots_router
 from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.hosting.metrics import Metrics
 from gpt2edge.serve.scheduling.scheduler import Scheduler
@@ -73,6 +74,7 @@ def create_app(
     app.include_router(completions_router)
     app.include_router(chat_router)
     app.include_router(ops_router)
+    app.include_router(slots_router)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -54,6 +54,7 @@ class ServeConfig:
     chat_template: str | None = None  # a jinja file for /v1/chat/completions, instead of the folder's own
     template_timeout_s: float = 2.0  # the longest one chat-template render may take (serve/api/chat_template.py)
     prefix_cache_bytes: int = 0  # continuous: bytes of earlier prompts' KV kept for reuse (0: off; docs/serve.md)
+    slot_save_path: str | None = None  # the folder of /slots/{id}?action=save|restore files (None: refused, 501)
 
     def __post_init__(self) -> None:
         # each bound named with the flag that sets it, before any model is loaded
@@ -91,6 +92,13 @@ class ServeConfig:
                 "--deterministic and --prefix-cache-bytes cannot be combined: a cached prefix's keys and values "
                 "were computed beside other rows; drop one of them."
             )
+        if self.slot_save_path is not None:
+            if not str(self.slot_save_path).strip():
+                raise ServeError("--slot-save-path must name a folder, got an empty string.")
+            if not self.prefix_cache_bytes or self.scheduler != "continuous":
+                # a slot's keys and values are the continuous scheduler's prefix-cache blocks
+                raise ServeError("--slot-save-path needs --scheduler continuous and --prefix-cache-bytes > 0 (a "
+                                 "saved slot's keys and values are those the prefix cache holds).")  # fmt: skip
         if self.max_connections < 1:
             raise ServeError(f"--max-connections must be >= 1, got {self.max_connections}.")
         if self.max_header_bytes < 1024:

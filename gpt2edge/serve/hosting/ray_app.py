@@ -70,6 +70,7 @@ _CONFIG_ARGS: dict[str, Callable[[str], Any]] = {
     "prefill_tokens": int,
     "deterministic": lambda v: str(v).lower() in ("1", "true", "yes"),
     "prefix_cache_bytes": int,
+    "slot_save_path": str,  # each replica's own folder (a path on its node): slots are per replica
 }
 _REPLICA_ARGS: dict[str, Callable[[Any], Any]] = {
     "device": str,
@@ -82,7 +83,8 @@ _REPLICA_ARGS: dict[str, Callable[[Any], Any]] = {
 def app_builder(args: dict[str, Any]):
     """Application builder for Ray's CLI and config files: `args` holds model_dir and optional server limits
     (model_name, max_batch, max_queue, max_n, max_body_kb, batch_wait_ms, scheduler, prefill_tokens,
-    deterministic, device, threads, verify, replica_cpus). Values may be strings (`serve run ... max_batch=16`)."""
+    deterministic, prefix_cache_bytes, slot_save_path, device, threads, verify, replica_cpus). Values may be
+    strings (`serve run ... max_batch=16`)."""
     args = dict(args)
     model_dir = args.pop("model_dir", None)
     if not model_dir:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2edge.errors import Gpt2EdgeError
+from gpt2edge.errors import Gpt2EdgeError, ServeError
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
 from gpt2edge.runtime.decoding.row_decoder import RowGroup
 from gpt2edge.runtime.model.slots import slot_refusal
@@ -37,6 +37,7 @@ from gpt2edge.serve.scheduling.grouping import cache_rows, take_aligned
 from gpt2edge.serve.scheduling.jobs import Job, Row
 from gpt2edge.serve.scheduling.prefix_rows import prefix_rows
 from gpt2edge.serve.scheduling.scheduler import Scheduler
+from gpt2edge.serve.scheduling.slot_files import SlotFiles
 
 log = logging.getLogger("gpt2edge.serve")
 RESERVED_POSITIONS = 128  # per cache row, allocated and touched at start (more grow on demand)
@@ -52,6 +53,7 @@ class _Live:
     recorder: LogprobRecorder | None
     in_cache: list[bool]  # per row of the job: holds a cache row now
     prompts: list[list[int]]  # per row of the job: its prompt ids (the first positions of its cache row)
+    slot_ids: list[int]  # per row of the job: its slot id (/slots; empty without a prefix cache)
 
     @property
     def running(self) -> bool:
@@ -76,6 +78,8 @@ class ContinuousScheduler(Scheduler):
         self._freed = 0  # cache rows the latest release freed (their clients may be about to send again)
         self._cycle_s = 0.0  # how long the latest join + decode step took
         self.prefix = prefix_rows(self.slots, config.prefix_cache_bytes)  # None: --prefix-cache-bytes 0
+        if self.prefix is not None:  # llama-server's /slots on the prefix cache; their files: --slot-save-path
+            self.slot_files = SlotFiles(self.prefix.records, self.prefix.cache, generator.lm, config.slot_save_path)
 
     def _run_next(self) -> bool:
         """One decode step with whatever joins and leaves around it; False once stopping."""
@@ -172,7 +176,8 @@ class ContinuousScheduler(Scheduler):
             group = RowGroup.start(params, ids, texts, width, self.slots.columns, job.constraint)
             for row, decoder in zip(job.rows, group.rows):
                 row.decoder = decoder
-            live = _Live(job, group, recorder, [True] * len(job.rows), ids)
+            slot_ids = [] if self.prefix is None else self.prefix.records.take(len(job.rows))
+            live = _Live(job, group, recorder, [True] * len(job.rows), ids, slot_ids)
             self._live.append(live)
             for i in range(len(job.rows)):
                 self._cache_rows.append((live, i))
@@ -238,7 +243,7 @@ class ContinuousScheduler(Scheduler):
             if not row.done:
                 continue
             if self.prefix is not None:
-                self.prefix.leaving(c, live.prompts[i], row.decoder.generated)
+                self.prefix.leaving(c, live.prompts[i], row.decoder.generated, live.slot_ids[i])
             moved = self.slots.free(c)
             if moved is not None:
                 self._cache_rows[c], self._pending[c] = self._cache_rows[moved], self._pending[moved]
@@ -299,6 +304,8 @@ def make_scheduler(generator, config: ServeConfig) -> Scheduler:
         why = slot_refusal(generator.graph)
         if why is None:
             return ContinuousScheduler(generator, config)
+        if config.slot_save_path is not None:  # asked for outright: a log line would leave every save a 501
+            raise ServeError(f"--slot-save-path needs continuous batching, which this folder cannot run: {why}.")
         log.warning("continuous batching is off: %s; using the next-batch scheduler", why)
     if config.prefix_cache_bytes:  # only the continuous scheduler's join reuses a prefix: take no memory for it
         log.warning("--prefix-cache-bytes is ignored: the next-batch scheduler has no prefix cache")

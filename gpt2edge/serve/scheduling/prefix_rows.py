@@ -6,7 +6,8 @@ needed) and tells each job its cached prompt tokens (OpenAI's usage.prompt_token
 per prompt as prompt_tokens counts it, not per choice). The prompts are remembered as soon as they are
 prefilled, so requests arriving while these decode (many chats under one system prompt) reuse them at once;
 a row is remembered again when it leaves, with every token it fed (a chat's next turn resends its answer).
-After a failed step nothing is remembered: the rows may be half-written. The cache itself is
+After a failed step nothing is remembered: the rows may be half-written. Each row holds a slot id from join to
+leave (slot_records.py: llama-server's /slots, saved and restored by slot_files.py). The cache itself is
 gpt2edge.runtime.model.prefix_cache (its own lock: /metrics reads it from another thread).
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 from gpt2edge.runtime.model.prefix_cache import BLOCK, PrefixCache
 from gpt2edge.runtime.model.slots import SlotLM
 from gpt2edge.serve.scheduling.jobs import Job
+from gpt2edge.serve.scheduling.slot_records import SlotRecords
 
 
 class PrefixRows:
@@ -28,6 +30,7 @@ class PrefixRows:
         self.slots = slots
         self.cache = PrefixCache.for_graph(slots.graph, max_bytes)
         self.keep = True  # False after a failed step, until its rows are released
+        self.records = SlotRecords(slots.rows)  # one slot id per cache row a batch can hold
 
     def lookup(self, jobs: list[Job], prompts: list[list[int]]) -> list[list[np.ndarray]]:
         """Per prompt (the jobs' rows in order), the blocks of its longest cached prefix; sets job.cached_tokens."""
@@ -49,11 +52,15 @@ class PrefixRows:
         for j, ids in enumerate(prompts):
             self.cache.insert(ids, self.slots.row_kv(first + j))
 
-    def leaving(self, c: int, prompt: list[int], generated: Sequence[int]) -> None:
-        """Cache row c, about to be freed: its prompt and the generated tokens it fed (all but the last)."""
+    def leaving(self, c: int, prompt: list[int], generated: Sequence[int], slot: int = -1) -> None:
+        """Cache row c, about to be freed: its prompt and the generated tokens it fed (all but the last); its
+        slot id is given back with them (with none after a failed step)."""
+        held: list[int] = []
         if self.keep:
             fed = int(self.slots.lengths[c]) - len(prompt)
-            self.cache.insert(prompt + list(generated[:fed]), self.slots.row_kv(c))
+            held = prompt + list(generated[:fed])
+            self.cache.insert(held, self.slots.row_kv(c))
+        self.records.give_back(slot, held)
 
     def stats(self) -> dict[str, int]:
         return {f"prefix_{k}": v for k, v in self.cache.snapshot().items()}

@@ -48,6 +48,8 @@ class SchedulerStats:
 class Scheduler:
     """submit() from any thread (cheap, never blocks); one daemon thread decodes."""
 
+    slot_files = None  # llama-server's /slots: the continuous scheduler's, on its prefix cache (slot_files.py)
+
     def __init__(self, generator, config: ServeConfig) -> None:
         self.generator = generator
         self.config = config
