@@ -107,7 +107,7 @@ def _write_damaged(root, name: str, edit) -> None:
     (root / "slots" / name).write_bytes(bytes(edit(data)))
 
 
-def test_bad_files_slots_and_actions_are_refused_with_a_reason(slot_server, tiny_export_shared):
+def test_bad_files_slots_and_actions_are_refused_with_a_reason(slot_server, tiny_export, tiny_export_shared):
     url, root, _ = slot_server
     slots = root / "slots"
     _write_damaged(root, "cut.bin", lambda d: d[: len(d) - 100])
@@ -145,6 +145,11 @@ def test_bad_files_slots_and_actions_are_refused_with_a_reason(slot_server, tiny
     assert (root / "outside.bin").read_bytes() == (slots / "chat.bin").read_bytes()  # nothing written through
     r = httpx.post(f"{url}/slots/0", params={"action": "restore"}, content=b"[1]", timeout=10)
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    mine = Generator(tiny_export).session()  # Session.save's file is a slot file of the same folder
+    mine.generate(PROMPT, max_new_tokens=3, do_sample=False)
+    mine.save(slots / "session.bin")
+    restored = _slot(url, 1, "restore", "session.bin").json()
+    assert restored["n_restored"] == len(mine.token_ids) and restored["n_cached"] > 0
     erased = _slot(url, 0, "erase").json()
     assert erased == {"id_slot": 0, "n_erased": before[0]["n_tokens"]} and erased["n_erased"] > 0
     assert httpx.get(url + "/slots", timeout=10).json()[0]["n_tokens"] == 0
