@@ -197,3 +197,33 @@ def test_without_the_path_or_the_cache_slots_say_which_flag(tiny_export):
             r = _slot(url, 0, "save", "chat.bin")
             flag = "--slot-save-path" if get_status == 200 else "--prefix-cache-bytes"
             assert r.status_code == 501 and flag in r.json()["error"]["message"]
+
+
+def test_saves_and_restores_beside_running_requests(tiny_export, tmp_path):
+    """Slot actions run on HTTP threads while the scheduler thread adds to and evicts from the same cache: every
+    request still answers, every action answers 200 or 409 (a running slot), and the files stay readable."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = Generator(tiny_export)
+    config = ServeConfig(model_name="tiny", max_batch=4, prefix_cache_bytes=1 << 22, slot_save_path=str(tmp_path))
+    with BackgroundServer(create_app(lambda: ContinuousScheduler(gen, config), config)) as url:
+        _complete(url, PROMPT, GREEDY)
+        assert _slot(url, 0, "save", "base.bin").status_code == 200
+
+        def actions(k: int) -> list[int]:
+            codes = []
+            for i in range(6):
+                codes.append(_slot(url, k % 4, "save", f"s{k}-{i}.bin").status_code)
+                codes.append(_slot(url, (k + 1) % 4, "restore", "base.bin").status_code)
+                codes.append(httpx.get(url + "/slots", timeout=10).status_code)
+            return codes
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = [pool.submit(_complete, url, f"{PROMPT} {i}", GREEDY) for i in range(8)]
+            codes = [pool.submit(actions, k) for k in range(2)]
+            answers = [t.result()["text"] for t in texts]
+            codes = [c for f in codes for c in f.result()]
+        assert all(answers) and set(codes) <= {200, 409} and 200 in codes
+        for name in sorted(p.name for p in tmp_path.iterdir()):
+            assert _slot(url, 3, "restore", name).status_code == 200, name  # every file written whole
+        assert not [p for p in tmp_path.iterdir() if p.name.endswith(".part")]  # no temp file left
