@@ -19,8 +19,8 @@ from gpt2edge.cli import main
 from gpt2edge.errors import ConvertError, ExportError, QuantizeError
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.lm import load_graph
 from gpt2edge.runtime.model.memory_plan import generation_estimate
+from gpt2edge.runtime.open_model import load_graph
 from gpt2edge.runtime.score import Scorer
 
 KINDS = ("concat", "shared")

@@ -25,10 +25,10 @@ from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, check_logprobs
 from gpt2edge.runtime.decoding.prefix_fill import generator_prefix_cache
 from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.lm import load_graph
 from gpt2edge.runtime.model.memory_plan import check_generation_memory, check_session_memory
 from gpt2edge.runtime.model.pool import LMPool, check_max_contexts
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
+from gpt2edge.runtime.open_model import load_graph
 from gpt2edge.runtime.request import GenerationRequest, resolve, resolved
 from gpt2edge.runtime.results import GenerationResult, results_of
 from gpt2edge.runtime.speculative.speculator import SpecState, Speculator

@@ -32,7 +32,7 @@ class FusedReader:
         self.body, self.K, self.V = body_lm, k, vocab_size
         self.native = native  # the outputs come from native.py, not the graph: the graph's step is switched off
         # the body graph holds the full head too (guard.py): switched on, its log-probs land in _full_buf
-        self.head_in_graph = HEAD_SWITCH in getattr(body_lm, "switches", {}) and body_lm.binding is not None
+        self.head_in_graph = HEAD_SWITCH in body_lm.switches and body_lm.binding is not None
         self._full_buf = np.empty((0, vocab_size), dtype=np.float32)
         self._full_mode: tuple[bool, int] | None = None  # how FULL_OUTPUT is bound: (on, B)
         self.B = 0
