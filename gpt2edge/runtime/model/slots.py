@@ -22,16 +22,19 @@ past) and shared (one (R, nh, capacity, hs) buffer per tensor, bound as past and
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.manifest import KEEP_INPUT
 from gpt2edge.runtime.decoding.generate import left_pad, position_ids_from_mask
-from gpt2edge.runtime.model.contract import Graph
 from gpt2edge.runtime.model.lm import OrtGraph
 from gpt2edge.runtime.model.ort_session import run_errors
 from gpt2edge.runtime.model.slot_prefix import prefill_rows
+
+if TYPE_CHECKING:  # annotations only
+    from gpt2edge.runtime.model.contract import Graph
 
 MIN_POSITIONS = 64  # the first allocation's positions per row; doubled as rows grow
 # re-pack once P exceeds the longest row by this many slots and by an eighth of P: a re-pack copies every live row

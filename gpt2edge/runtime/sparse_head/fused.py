@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpt2edge.runtime.model.lm import OrtLM
 from gpt2edge.runtime.sparse_head.exact import TIE
 
 IDS, LOGITS, BAR = "sparse_ids", "sparse_logits", "sparse_bar"
@@ -28,7 +29,7 @@ FUSED_TOL = TIE / 8  # the graph's float32 logits against exact.py's (measured ~
 class FusedReader:
     """The sparse outputs of one OrtLM's body runs (not thread-safe: one per SparseLM)."""
 
-    def __init__(self, body_lm, k: int, vocab_size: int, native: bool = False) -> None:
+    def __init__(self, body_lm: OrtLM, k: int, vocab_size: int, native: bool = False) -> None:
         self.body, self.K, self.V = body_lm, k, vocab_size
         self.native = native  # the outputs come from native.py, not the graph: the graph's step is switched off
         # the body graph holds the full head too (guard.py): switched on, its log-probs land in _full_buf
