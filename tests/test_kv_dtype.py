@@ -220,8 +220,8 @@ def test_server_admits_more_rows_with_a_smaller_cache(compact, fp32, monkeypatch
     small = ModelFolder.open(compact["concat", "int8"], verify=False)
     per_row = generation_estimate(full, [[0]], full.n_positions).total
     monkeypatch.setattr(rows, "available_bytes", lambda: int(4.5 * per_row / rows.SHARE))
-    n_full, _ = rows.serving_rows(SimpleNamespace(lm=object(), folder=full), None)
-    n_small, why = rows.serving_rows(SimpleNamespace(lm=object(), folder=small), None)
+    n_full, _ = rows.serving_rows(SimpleNamespace(lm=SimpleNamespace(batch=None), folder=full), None)
+    n_small, why = rows.serving_rows(SimpleNamespace(lm=SimpleNamespace(batch=None), folder=small), None)
     assert n_full == 4 and n_small >= 3 * n_full and why == rows.MEMORY
 
 
