@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.lm import load_graph
+from gpt2edge.runtime.open_model import load_graph
 
 LONG_FROM, LONG_TO = 512, 1024
 SHORT_FROM, SHORT_TO = 16, 80

@@ -58,8 +58,8 @@ def test_the_arm_recipes_record_kleidiai_off_and_their_sessions_apply_it(tiny_ex
     from gpt2edge.quantize import make_recipe, quantize_model
     from gpt2edge.quantize import targets as tg
     from gpt2edge.runtime.model.folder import ModelFolder
-    from gpt2edge.runtime.model.lm import load_graph
     from gpt2edge.runtime.model.ort_session import KLEIDIAI_KEY, kleidiai_off
+    from gpt2edge.runtime.open_model import load_graph
 
     monkeypatch.setattr(tg, "detect", lambda: tg.CpuReport("x86", (), ("generic",), ("generic",), "generic"))
     monkeypatch.delenv("GPT2EDGE_KLEIDIAI", raising=False)

@@ -19,8 +19,8 @@ from gpt2edge.cli import main
 from gpt2edge.errors import ConvertError, ExportError, QuantizeError
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.lm import load_graph
 from gpt2edge.runtime.model.memory_plan import generation_estimate
+from gpt2edge.runtime.open_model import load_graph
 from gpt2edge.runtime.score import Scorer
 
 KINDS = ("concat", "shared")
@@ -220,8 +220,8 @@ def test_server_admits_more_rows_with_a_smaller_cache(compact, fp32, monkeypatch
     small = ModelFolder.open(compact["concat", "int8"], verify=False)
     per_row = generation_estimate(full, [[0]], full.n_positions).total
     monkeypatch.setattr(rows, "available_bytes", lambda: int(4.5 * per_row / rows.SHARE))
-    n_full, _ = rows.serving_rows(SimpleNamespace(lm=object(), folder=full), None)
-    n_small, why = rows.serving_rows(SimpleNamespace(lm=object(), folder=small), None)
+    n_full, _ = rows.serving_rows(SimpleNamespace(lm=SimpleNamespace(batch=None), folder=full), None)
+    n_small, why = rows.serving_rows(SimpleNamespace(lm=SimpleNamespace(batch=None), folder=small), None)
     assert n_full == 4 and n_small >= 3 * n_full and why == rows.MEMORY
 
 

@@ -103,6 +103,69 @@ def test_cycle_finder_sees_a_cycle(tmp_path):
     assert cycles(import_graph(modules_of(pkg), pkg)) == [["gpt2edge.a", "gpt2edge.b"]]
 
 
+# --- the model contract (gpt2edge/runtime/model/contract.py) ----------------------------------------------------
+# the model room knows nothing of the sparse head's, nor of the factory above both
+MODEL_ROOM, ABOVE_MODEL = "gpt2edge.runtime.model", ("gpt2edge.runtime.sparse_head", "gpt2edge.runtime.open_model")
+# the concrete graph, LM and cache-row kinds: callers read the contract's members, never test for one of these
+KINDS = ("OrtGraph", "StaticGraph", "SparseGraph", "ApproxGraph", "BodyGraph", "OrtLM", "StaticLM", "SparseLM",
+         "ApproxLM", "BodyLM", "SlotLM", "SoloRows")  # fmt: skip
+FACTORY = "gpt2edge.runtime.open_model"  # the one place that opens a folder as the kind its manifest names
+# the runtime (the model room, decoding, the sparse head ...) and serve's scheduling read the contract
+PROBED = {m: p for m, p in MODULES.items() if m.startswith(("gpt2edge.runtime.", "gpt2edge.serve.scheduling."))}
+
+
+def probes(path: Path) -> list[str]:
+    """What in a file probes an object instead of reading the contract: getattr with a default, hasattr,
+    isinstance / issubclass naming one of the concrete KINDS (alone or in a tuple), and a class's __getattr__
+    (a wrapper whose members are whatever the wrapped object has)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            found.append(f"{path.name}:{node.lineno} __getattr__")
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+            continue
+        name, args = node.func.id, node.args
+        if (name == "getattr" and len(args) == 3) or name == "hasattr":
+            found.append(f"{path.name}:{node.lineno} {name}")
+        elif name in ("isinstance", "issubclass") and len(args) == 2:
+            kinds = args[1].elts if isinstance(args[1], ast.Tuple) else [args[1]]
+            kinds = [k for k in kinds if isinstance(k, ast.Name | ast.Attribute)]
+            named = [k.id if isinstance(k, ast.Name) else k.attr for k in kinds]
+            found += [f"{path.name}:{node.lineno} {name} {k}" for k in named if k in KINDS]
+    return found
+
+
+def test_the_model_room_imports_nothing_from_the_sparse_head():
+    """(The graph factory, above both rooms, opens a sparse-head folder.)"""
+    graph = import_graph(MODULES)
+    bad = sorted((m, d) for m in MODULES if _in(m, (MODEL_ROOM,)) for d in graph[m] if _in(d, ABOVE_MODEL))
+    assert bad == []
+
+
+def test_the_kinds_named_here_exist():
+    """KINDS must name real classes of the runtime, or the probe check below would miss a renamed one."""
+    trees = [ast.parse(p.read_text()) for m, p in MODULES.items() if m.startswith("gpt2edge.runtime.")]
+    defined = {n.name for t in trees for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    assert set(KINDS) <= defined, sorted(set(KINDS) - defined)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in PROBED if m != FACTORY))
+def test_no_probing_of_graph_or_lm_kinds(module):
+    assert probes(PROBED[module]) == []
+
+
+def test_the_probe_finder_sees_probes(tmp_path):
+    src = tmp_path / "p.py"
+    src.write_text(
+        "a = getattr(lm, 'batch', None)\nb = hasattr(lm, 'x')\nc = isinstance(g, OrtGraph)\n"
+        "d = isinstance(g, (int, approx.ApproxGraph))\ne = getattr(lm, 'batch')\nf = isinstance(g, int)\n"
+        "class W:\n    def __getattr__(self, name):\n        return 0\n"
+    )
+    want = ["p.py:1 getattr", "p.py:2 hasattr", "p.py:3 isinstance OrtGraph", "p.py:4 isinstance ApproxGraph",
+            "p.py:8 __getattr__"]  # fmt: skip
+    assert probes(src) == want
+
+
 RUNTIME = {m: p for m, p in MODULES.items() if m == "gpt2edge.runtime" or m.startswith("gpt2edge.runtime.")}
 
 

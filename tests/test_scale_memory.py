@@ -28,9 +28,9 @@ from gpt2edge.quality import compare_folders, stream_logprobs
 from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.runtime.model import ort_session
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.lm import load_graph
 from gpt2edge.runtime.model.mapped_graph import mapped_model
 from gpt2edge.runtime.model.ort_session import create_session, lean_options
+from gpt2edge.runtime.open_model import load_graph
 
 _Usage = namedtuple("_Usage", "total used free")  # shutil.disk_usage's record
 

@@ -1,5 +1,5 @@
 """A sparse-head folder served with continuous batching: the body graph under the cache rows, its log-probs from
-the full head (gpt2edge.runtime.sparse_head.body.slot_head), so concurrent greedy requests get the folder's
+the full head (gpt2edge.runtime.sparse_head.body.BodyGraph.slot_view), so concurrent greedy requests get the folder's
 Generator text, and logit_bias / stop_token_ids / penalties are served. An approximate folder keeps next-batch,
 with a log line saying why."""
 
@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)"
 from test_serve import GREEDY, PROMPTS, alone, joined, post, stream_one  # noqa: E402
 
 from gpt2edge.runtime import Generator  # noqa: E402
-from gpt2edge.runtime.model.slots import SlotLM, slot_refusal  # noqa: E402
+from gpt2edge.runtime.model.slots import SlotLM  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.api.app import create_app  # noqa: E402
 from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
@@ -37,7 +37,7 @@ def sparse_folder(request, tmp_path_factory):
 
 def test_a_sparse_folder_is_served_with_continuous_batching(sparse_folder, caplog):
     gen = Generator(sparse_folder)
-    assert slot_refusal(gen.graph) is None
+    assert gen.graph.slot_refusal is None
     config = ServeConfig(model_name="tiny", max_batch=3)
     with caplog.at_level(logging.WARNING, logger="gpt2edge.serve"):
         scheduler = make_scheduler(gen, config)

@@ -253,7 +253,7 @@ def test_fused_certificate_rules():
 
     from gpt2edge.runtime.sparse_head.fused import FusedReader
 
-    r = FusedReader(SimpleNamespace(binding=None), 4, 10)
+    r = FusedReader(SimpleNamespace(binding=None, switches={}), 4, 10)  # an OrtLM without IO binding
     assert not r.arm(1)  # no IO binding: the outputs are not fetched
 
     for ids, logits, bar, k, want in CERTIFICATE_CASES:

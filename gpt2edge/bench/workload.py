@@ -19,8 +19,8 @@ from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.decoding.generate import generate
 from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.lm import load_graph
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
+from gpt2edge.runtime.open_model import load_graph
 
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9)
 DEFAULT_PROMPT_LEN = 128

@@ -26,9 +26,10 @@ from gpt2edge.manifest import load_manifest
 from gpt2edge.quality.trimmed import compare_trimmed, print_trim_rows
 from gpt2edge.runtime.decoding.generate import generate
 from gpt2edge.runtime.decoding.sampling import SamplingParams
+from gpt2edge.runtime.model.contract import LM
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.lm import OrtLM, load_graph
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
+from gpt2edge.runtime.open_model import load_graph
 from gpt2edge.sample_text import SAMPLE_TEXT
 
 DEFAULT_MAX_TOKENS = 256
@@ -79,7 +80,7 @@ def greedy_plan(n_tokens: int, n_positions: int) -> tuple[list[int], int]:
     return sorted({round(float(x)) for x in np.linspace(first, last, GREEDY_STARTS)}), n_new
 
 
-def stream_logprobs(lm: OrtLM, tokens: Sequence[int], sink: BinaryIO | None = None) -> np.ndarray:
+def stream_logprobs(lm: LM, tokens: Sequence[int], sink: BinaryIO | None = None) -> np.ndarray:
     """(T, V) log-probs of the token after each position, one cached step per token. With `sink` (a binary file
     open for reading and writing), each row is appended there as it is computed and the result is a read-only
     map of those rows: no (T, V) array is held while the session runs (gpt2-small's vocabulary: 51 MB)."""
@@ -112,7 +113,7 @@ def logprobs_spill(n_tokens: int, vocab_size: int) -> BinaryIO | None:
         return None
 
 
-def greedy_continuation(lm: OrtLM, tokenizer: TextTokenizer, prompt: list[int], n: int) -> list[int]:
+def greedy_continuation(lm: LM, tokenizer: TextTokenizer, prompt: list[int], n: int) -> list[int]:
     params = SamplingParams(max_new_tokens=n, do_sample=False)
     return generate(lm, tokenizer, [prompt], params, pad_id=0).generated[0]
 

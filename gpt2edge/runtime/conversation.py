@@ -37,7 +37,7 @@ from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
 from gpt2edge.runtime.decoding.prefix_fill import load_prefix, remember, usable
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 from gpt2edge.runtime.model.columns import forward_columns
-from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.contract import LM
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 from gpt2edge.runtime.results import GenerationResult, results_of
 from gpt2edge.runtime.session_file import read_session, save_session
@@ -92,7 +92,7 @@ class Conversation:
     """
 
     def __init__(
-        self, generator: GeneratorLike, lm: OrtLM, on_overflow: Callable[[ContextOverflow], None] | None = None
+        self, generator: GeneratorLike, lm: LM, on_overflow: Callable[[ContextOverflow], None] | None = None
     ) -> None:
         self.generator = generator
         self.lm = lm

@@ -24,11 +24,12 @@ from gpt2edge.runtime.decoding.generate import GenerationState, Step, iter_gener
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder, check_logprobs
 from gpt2edge.runtime.decoding.prefix_fill import generator_prefix_cache
 from gpt2edge.runtime.decoding.sampling import SamplingParams
+from gpt2edge.runtime.model.contract import LM, Graph
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.lm import load_graph
 from gpt2edge.runtime.model.memory_plan import check_generation_memory, check_session_memory
 from gpt2edge.runtime.model.pool import LMPool, check_max_contexts
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
+from gpt2edge.runtime.open_model import load_graph
 from gpt2edge.runtime.request import GenerationRequest, resolve, resolved
 from gpt2edge.runtime.results import GenerationResult, results_of
 from gpt2edge.runtime.speculative.speculator import SpecState, Speculator
@@ -91,9 +92,9 @@ class Generator:
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.tokenizer = TextTokenizer(self.folder.tokenizer_path, self.folder.dims.vocab_size)
         # a draft model alternates with this graph token by token: idle threads must not spin (session.py)
-        self.graph = load_graph(self.folder, device=device, threads=threads, spin=spin and draft is None)
+        self.graph: Graph = load_graph(self.folder, device=device, threads=threads, spin=spin and draft is None)
         self._pool = LMPool(self.graph, io_binding=io_binding, max_contexts=max_contexts, wait_s=context_wait_s)
-        self.lm = self._pool.primary  # the context sequential calls use
+        self.lm: LM = self._pool.primary  # the context sequential calls use
         self.deterministic = deterministic
         self.speculator = None
         if draft is not None or prompt_lookup is not None or draft_tokens is not None:
@@ -275,7 +276,7 @@ class Generator:
         self.speculator.check(prompts, params)
         return SpecState(prompts=prompts, params=params, constraint=compiled)
 
-    def _steps(self, lm, state: GenerationState) -> Iterator[Step]:
+    def _steps(self, lm: LM, state: GenerationState) -> Iterator[Step]:
         """The decode loop: plain, or speculative when the Generator has a draft or prompt lookup."""
         if self.speculator is not None:
             return self.speculator.iter_generate(lm, self.tokenizer, state)

@@ -26,12 +26,13 @@ import numpy as np
 from gpt2edge.api_args import int_arg, text_arg
 from gpt2edge.errors import ArgumentTypeError, GenerationError
 from gpt2edge.runtime.model.columns import forward_columns, lm_columns
+from gpt2edge.runtime.model.contract import LM
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.head_check import check_head
-from gpt2edge.runtime.model.lm import OrtLM, load_graph
 from gpt2edge.runtime.model.memory_plan import check_score_memory
 from gpt2edge.runtime.model.ort_session import create_session, quiet_run_options, run_errors
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
+from gpt2edge.runtime.open_model import load_graph
 
 METHODS = ("auto", "head-all", "token-by-token")
 
@@ -115,7 +116,7 @@ class Scorer:
         self.vocab_size = int(folder.dims["vocab_size"])
         self.n_positions = int(folder.n_positions)  # a static-shape export: its cache capacity
         self.device, self.threads = device, threads
-        self._lm: OrtLM | None = None
+        self._lm: LM | None = None
         self._session = None
 
     @property

@@ -33,7 +33,7 @@ from gpt2edge import __version__
 from gpt2edge.api_args import path_arg
 from gpt2edge.errors import SessionFileError
 from gpt2edge.manifest.records import MANIFEST_NAME
-from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.contract import LM
 
 MAGIC = b"gpt2edge-session\n"
 FORMAT_VERSION = 1
@@ -50,9 +50,9 @@ class SavedSession:
     tensors: list[np.ndarray]
 
 
-def model_facts(lm: Any) -> dict[str, Any]:
+def model_facts(lm: LM) -> dict[str, Any]:
     """What ties a file to this folder and sizes its arrays; refuses an LM whose cache cannot be saved."""
-    if not isinstance(lm, OrtLM) or lm.device != "cpu":
+    if not lm.supports_row_state:
         raise SessionFileError(
             "saving and restoring a session needs a concat or shared KV-cache folder on CPU (not a static-shape, "
             "sparse-head or CUDA one)."
@@ -76,7 +76,7 @@ def model_facts(lm: Any) -> dict[str, Any]:
 
 
 def save_session(
-    path: str | os.PathLike, lm: Any, tokens: list[int], cached: int, tensors: list[np.ndarray] | None = None
+    path: str | os.PathLike, lm: LM, tokens: list[int], cached: int, tensors: list[np.ndarray] | None = None
 ) -> Path:
     """Write `tokens` and the first `cached` positions of `lm`'s one-row cache to `path`, atomically; or, given
     `tensors` (2 x n_layer of (n_head, cached, head_dim): a server slot's prefix-cache blocks), those."""
@@ -123,7 +123,7 @@ def save_session(
     return path
 
 
-def read_session(path: str | os.PathLike, lm: Any, max_cached: int | None = None) -> SavedSession:
+def read_session(path: str | os.PathLike, lm: LM, max_cached: int | None = None) -> SavedSession:
     """Read and check a saved session for `lm`'s folder; raises SessionFileError, reading no array larger than
     the model's cache (nor, given max_cached, a file holding more cached positions: refused before its payload
     is read, e.g. one that a server's prefix cache could not hold)."""

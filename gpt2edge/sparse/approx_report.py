@@ -18,8 +18,8 @@ import onnx
 
 from gpt2edge.quality import greedy_continuation, greedy_fields, greedy_plan, stream_metrics
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.lm import load_graph
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
+from gpt2edge.runtime.open_model import load_graph
 
 CHUNK = 256  # hidden states per head run
 

@@ -22,7 +22,7 @@ from gpt2edge.runtime.decoding.generate import GenerationState, Step, decode_one
 from gpt2edge.runtime.decoding.sampling import SamplingParams, apply_processors
 from gpt2edge.runtime.decoding.sampling_params import _is_int, _is_real
 from gpt2edge.runtime.model.columns import Columns, lm_columns
-from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.contract import LM
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 
 SEARCH_KEYS = ("num_beams", "num_return_sequences", "length_penalty", "early_stopping")
@@ -164,7 +164,7 @@ def _finish_reason(ids: list[int], params: SamplingParams, text: TextStream | No
     return "length"
 
 
-def iter_beam_search(lm: OrtLM, tokenizer: TextTokenizer | None, state: BeamState, pad_id: int) -> Iterator[Step]:
+def iter_beam_search(lm: LM, tokenizer: TextTokenizer | None, state: BeamState, pad_id: int) -> Iterator[Step]:
     """Beam search for the P prompts in state.prompts; yields after each step (tokens: the new beams' last
     token, (P*num_beams,)). At the end state.prompts / generated / finish_reasons / scores hold
     num_return_sequences hypotheses per prompt, prompt by prompt, best first."""
@@ -275,7 +275,7 @@ class BeamTimings:
 
 
 def time_beam_search(
-    lm: OrtLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_beams: int, pad_id: int = 0
+    lm: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, num_beams: int, pad_id: int = 0
 ) -> BeamTimings:
     """One beam search without EOS over tokenized prompts, timed step by step (for `bench --num-beams`)."""
     params = SamplingParams(max_new_tokens=max_new_tokens, eos_token_id=())

@@ -11,7 +11,7 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.decoding.generate import GenerationState, Step, decode_n_tokens, left_pad, length_error, prefill
-from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.contract import LM
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 
 
@@ -25,7 +25,7 @@ def check_fits(prompts: Sequence[Sequence[int]], max_new_tokens: int, n_position
 
 
 def prefill_expanded(
-    lm: OrtLM, prompts: Sequence[Sequence[int]], pad_id: int, max_new_tokens: int, n: int
+    lm: LM, prompts: Sequence[Sequence[int]], pad_id: int, max_new_tokens: int, n: int
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Prefill P left-padded prompts once and expand to P*n rows.
 
@@ -47,7 +47,7 @@ def prefill_expanded(
 
 
 def iter_generate_expanded(
-    lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, pad_id: int, n: int
+    lm: LM, tokenizer: TextTokenizer, state: GenerationState, pad_id: int, n: int
 ) -> Iterator[Step]:
     """iter_generate with n sampled sequences per prompt. state.prompts holds the P prompts on entry and, once
     started, one entry per row (P*n, prompt p's samples at rows p*n .. p*n+n-1). One seeded generator draws

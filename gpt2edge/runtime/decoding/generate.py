@@ -19,7 +19,7 @@ from gpt2edge.runtime.decoding.prefix_fill import prefill_on_cache, remember, us
 from gpt2edge.runtime.decoding.row_decoder import RowDecoder, RowGroup
 from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.model.columns import forward_columns, lm_columns
-from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.contract import LM
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 
 if TYPE_CHECKING:
@@ -73,13 +73,13 @@ def position_ids_from_mask(mask: np.ndarray, seq: int) -> np.ndarray:
     return pos[:, -seq:].astype(np.int64)
 
 
-def prefill(lm: OrtLM, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def prefill(lm: LM, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Run the whole (left-padded) prompt with an empty past; returns next-token log-probs (B, V), or (B, K) on
     a vocabulary-trimmed head (its columns: lm_columns(lm))."""
     return forward_columns(lm, ids, mask, position_ids_from_mask(mask, ids.shape[1]))
 
 
-def decode_one_token(lm: OrtLM, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
+def decode_one_token(lm: LM, tokens: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """One (B, 1) step on top of the cache; returns next-token log-probs (B, V), or (B, K) as prefill."""
     return forward_columns(lm, tokens[:, None], mask, positions[:, None])
 
@@ -116,7 +116,7 @@ def length_error(prompt_len: int, max_new_tokens: int, n_positions: int) -> str 
 
 
 def decode_n_tokens(
-    lm: OrtLM,
+    lm: LM,
     state: GenerationState,
     logprobs: np.ndarray,
     mask: np.ndarray,
@@ -158,7 +158,7 @@ def decode_n_tokens(
 
 
 def generate(
-    lm: OrtLM,
+    lm: LM,
     tokenizer: TextTokenizer,
     prompts: list[list[int]],
     params: SamplingParams,
@@ -173,18 +173,17 @@ def generate(
     return state
 
 
-def configure_head(lm: OrtLM, state: GenerationState) -> None:
+def configure_head(lm: LM, state: GenerationState) -> None:
     """A sparse head (gpt2edge.runtime.sparse_head) serves the steps this call allows; other LMs ignore it."""
-    configure = getattr(lm, "configure_head", None)
-    if configure is not None:  # an approximate head describes itself (the result says so), others return None
-        if state.constraint is not None and getattr(getattr(lm, "graph", None), "approximate", None):
-            raise GenerationError("An approximate sparse head does not take a constraint; use an exact export.")
-        # a constraint's mask needs every allowed token's score: the full head, as for recorded log-probs
-        full = state.logprobs is not None or state.constraint is not None or state.params.row_penalties
-        state.head = configure(state.params, full)
+    if state.constraint is not None and lm.graph.approximate:
+        raise GenerationError("An approximate sparse head does not take a constraint; use an exact export.")
+    # a constraint's mask needs every allowed token's score: the full head, as for recorded log-probs
+    full = state.logprobs is not None or state.constraint is not None or state.params.row_penalties
+    # an approximate head describes itself (the result says so), the others return None
+    state.head = lm.configure_head(state.params, full)
 
 
-def iter_generate(lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState, pad_id: int) -> Iterator[Step]:
+def iter_generate(lm: LM, tokenizer: TextTokenizer, state: GenerationState, pad_id: int) -> Iterator[Step]:
     """generate() as an iterator over steps (streaming consumers use this)."""
     params, prompts = state.params, state.prompts
     B = len(prompts)

@@ -89,6 +89,11 @@ class CacheRows:
             self._presents = [np.ascontiguousarray(p[:, :, slots]) for p in self._presents]
         self.past_len = len(slots)
 
+    @property
+    def supports_row_state(self) -> bool:
+        """row_tensors / load_row move host arrays: a CPU cache (session files, the prefix cache)."""
+        return self.device == "cpu"
+
     def row_tensors(self) -> list[np.ndarray]:
         """A one-row generation's cache: (nh, past_len, hs) per past input, in past_names order (views: copy to
         keep them past the next forward). gpt2edge.runtime.session_file saves them."""

@@ -1,4 +1,5 @@
-"""The graph's real head against the manifest's: read wrongly, a mismatch is an IndexError deep in scoring."""
+"""The graph's real head and KV-cache inputs against the manifest's: read wrongly, a mismatch is an IndexError
+deep in scoring or an ONNX Runtime failure mid-decode."""
 
 from __future__ import annotations
 
@@ -40,3 +41,24 @@ def kept_ids(session: ort.InferenceSession, folder: ModelFolder) -> np.ndarray |
             "export or trim the model again."
         )
     return kept
+
+
+def check_cache_inputs(session: ort.InferenceSession, folder: ModelFolder, past_names: list[str]) -> None:
+    """The graph's past inputs are the manifest's n_layer x (key, value) of (batch, n_head, past, head_dim) in its
+    kv_dtype: a manifest edited or copied from another model is refused here, not by ONNX Runtime mid-decode."""
+    d, kv = folder.dims, folder.graph.kv_dtype
+    past = [i for i in session.get_inputs() if i.name in past_names]
+    dtype = {"float32": "tensor(float)", "float16": "tensor(float16)", "int8": "tensor(int8)"}.get(kv)
+    for i in past:
+        dims = list(i.shape) if len(i.shape) == 4 else [None, -1, None, -1]
+        fixed = [(g, w) for g, w in ((dims[1], d["n_head"]), (dims[3], d["head_dim"])) if isinstance(g, int)]
+        if any(g != w for g, w in fixed) or (dtype is not None and i.type != dtype):
+            raise ModelFolderError(
+                f"{folder.path}: the graph's KV cache input {i.name} is {i.shape} {i.type}, but its manifest "
+                f"says n_head {d['n_head']}, head_dim {d['head_dim']}, kv_dtype {kv}; export the model again."
+            )
+    if len(past) != 2 * d["n_layer"]:
+        raise ModelFolderError(
+            f"{folder.path}: the graph has {len(past)} KV cache inputs but its manifest says n_layer "
+            f"{d['n_layer']} ({2 * d['n_layer']} inputs); export the model again."
+        )

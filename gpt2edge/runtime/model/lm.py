@@ -7,6 +7,9 @@ everything mutable lives in OrtLM, and concurrent generations each use their own
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 
 from gpt2edge.errors import DeviceError, ModelFolderError
@@ -14,10 +17,15 @@ from gpt2edge.manifest import KEEP_INPUT
 from gpt2edge.runtime.model.cache_rows import CacheRows
 from gpt2edge.runtime.model.columns import Columns
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.head_check import check_head, kept_ids
+from gpt2edge.runtime.model.head_check import check_cache_inputs, check_head, kept_ids
 from gpt2edge.runtime.model.kv_cache import KVCache, SharedKVCache
-from gpt2edge.runtime.model.ort_session import ORT_DEVICE, create_session, quiet_run_options, run_errors
-from gpt2edge.runtime.model.static_lm import StaticGraph
+from gpt2edge.runtime.model.ort_session import (
+    ORT_DEVICE,
+    create_session,
+    host_rows_refusal,
+    quiet_run_options,
+    run_errors,
+)
 
 
 class OrtGraph:
@@ -32,8 +40,8 @@ class OrtGraph:
     ) -> None:  # fmt: skip
         if folder.graph.static is not None:
             raise ModelFolderError(
-                f"{folder.path} is a static-shape export (--static); load it with gpt2edge.runtime.model.lm.load_graph "
-                "(or Generator), which runs it with StaticLM."
+                f"{folder.path} is a static-shape export (--static); load it with "
+                "gpt2edge.runtime.open_model.load_graph (or Generator), which runs it with StaticLM."
             )
         if folder.info.raw.get("sparse_head") is not None and output == "logprobs":  # its graph returns `hidden`
             raise ModelFolderError(f"{folder.path} has a sparse head; load it with load_graph (or Generator).")
@@ -56,7 +64,7 @@ class OrtGraph:
         names = [i.name for i in self.session.get_inputs()]
         self.past_names = [n for n in names if n.startswith("past_key_values.")]
         self.keeps = KEEP_INPUT in names  # --head tail: the graph returns the positions listed in that input
-        self._check_cache_inputs()  # before any cache is sized from the manifest's dims
+        check_cache_inputs(self.session, folder, self.past_names)  # before any cache is sized from the dims
         check_head(self.session, folder)  # the manifest's head decides how outputs are read (score, speculative)
         self.kept_ids = kept_ids(self.session, folder) if output == "logprobs" else None  # a trimmed head's K columns
         width = self.vocab_size if self.kept_ids is None else len(self.kept_ids)
@@ -68,45 +76,37 @@ class OrtGraph:
         # bool inputs: parts of the graph a caller may switch off (a sparse body's own certified step); fed True
         self.switches = [i.name for i in self.session.get_inputs() if i.type == "tensor(bool)"]
 
-    def _check_cache_inputs(self) -> None:
-        """The graph's past inputs are the manifest's n_layer x (key, value) of (batch, n_head, past, head_dim) in its
-        kv_dtype: a manifest edited or copied from another model is refused here, not by ONNX Runtime mid-decode."""
-        past, kv = [i for i in self.session.get_inputs() if i.name in self.past_names], self.folder.graph.kv_dtype
-        dtype = {"float32": "tensor(float)", "float16": "tensor(float16)", "int8": "tensor(int8)"}.get(kv)
-        for i in past:
-            dims = list(i.shape) if len(i.shape) == 4 else [None, -1, None, -1]
-            fixed = [(g, w) for g, w in ((dims[1], self.n_head), (dims[3], self.head_dim)) if isinstance(g, int)]
-            if any(g != w for g, w in fixed) or (dtype is not None and i.type != dtype):
-                raise ModelFolderError(
-                    f"{self.folder.path}: the graph's KV cache input {i.name} is {i.shape} {i.type}, but its manifest "
-                    f"says n_head {self.n_head}, head_dim {self.head_dim}, kv_dtype {self.folder.graph.kv_dtype}; "
-                    "export the model again."
-                )
-        if len(past) != 2 * self.n_layer:
-            raise ModelFolderError(
-                f"{self.folder.path}: the graph has {len(past)} KV cache inputs but its manifest says n_layer "
-                f"{self.n_layer} ({2 * self.n_layer} inputs); export the model again."
-            )
+    batch = None  # any batch (a static graph fixes its own)
+    approximate = None  # the model's own log-probs
+    probe_refusal = None  # --deterministic probes its batched rows (row_invariance)
+
+    @property
+    def slot_refusal(self) -> str | None:
+        """Why SlotLM cannot run this graph (None: it can)."""
+        return host_rows_refusal(self.device)
+
+    @property
+    def supports_prefix_cache(self) -> bool:
+        return self.device == "cpu"  # its rows' keys and values are host arrays
+
+    def slot_view(self) -> SlotView:
+        """SlotLM runs this graph as it is: its log-probs, no switches, no head after it."""
+        return SlotView(self, "logprobs", {}, None)
 
     def new_lm(self, io_binding: bool = True) -> OrtLM:
         """A generation context of its own on this graph (LMPool's factory)."""
         return OrtLM(self, io_binding=io_binding)
 
 
-def load_graph(
-    folder: ModelFolder, device: str = "cpu", threads: int | None = None, spin: bool = True, lean: bool = False
-) -> OrtGraph | StaticGraph:
-    """The folder's graph, loaded as its manifest says: a StaticGraph for a static-shape export, else an
-    OrtGraph. Either one's `new_lm()` makes a generation context (OrtLM or StaticLM, one contract). spin=False:
-    idle intra-op threads sleep (a draft model alternates with this graph token by token). lean: create_session's."""
-    if folder.graph.static is not None:
-        return StaticGraph.from_folder(folder, device=device, threads=threads, lean=lean)
-    if folder.info.raw.get("sparse_head") is not None:  # the body here, the head in runtime/sparse_head
-        from gpt2edge.runtime.sparse_head.approx import sparse_graph  # exact, or an approximate mode
+@dataclass(frozen=True)
+class SlotView:
+    """What SlotLM (runtime/model/slots.py) runs for a graph: the OrtGraph of the blocks, the output it reads,
+    the bool switches it feeds, and the head applied to that output (None: the output is the log-probs)."""
 
-        body = OrtGraph(folder, device=device, threads=threads, spin=spin, output="hidden", lean=lean)
-        return sparse_graph(body, device=device, threads=threads, spin=spin)
-    return OrtGraph(folder, device=device, threads=threads, spin=spin, lean=lean)
+    graph: OrtGraph
+    output: str
+    switches: dict[str, np.ndarray]
+    head: Callable[[np.ndarray], np.ndarray] | None
 
 
 class OrtLM(CacheRows):
@@ -134,12 +134,12 @@ class OrtLM(CacheRows):
     def __init__(
         self, graph: OrtGraph | ModelFolder, device: str = "cpu", threads: int | None = None, io_binding: bool = True
     ) -> None:
-        g = graph if isinstance(graph, OrtGraph) else OrtGraph(graph, device, threads)
+        g = OrtGraph(graph, device, threads) if isinstance(graph, ModelFolder) else graph
         self.graph, self.folder, self.device, self.session, self.shared = g, g.folder, g.device, g.session, g.shared
         self.n_layer, self.n_head, self.head_dim = g.n_layer, g.n_head, g.head_dim
         self.vocab_size, self.n_positions, self.kv_dtype = g.vocab_size, g.n_positions, g.kv_dtype
         self.past_names, self.present_names = g.past_names, g.present_names
-        self.kept_ids = g.kept_ids
+        self.kept_ids, self.batch = g.kept_ids, None
         self.io_binding = io_binding
         self.switches = {n: np.array(True) for n in g.switches}  # bound by address: set in place to switch off
         cache_cls = SharedKVCache if self.shared else KVCache
@@ -158,6 +158,9 @@ class OrtLM(CacheRows):
     def columns(self) -> Columns | None:
         """How forward_kept's columns map to token ids; None when they are the full vocabulary (untrimmed)."""
         return None if self.graph._full_vocab_steps else self.graph.columns
+
+    def configure_head(self, params, logprobs: bool = False) -> None:
+        """Nothing to configure: every step runs the graph's own head (runtime/model/contract.py's LM)."""
 
     def forward(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, keep: int | None = None

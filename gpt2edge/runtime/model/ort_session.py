@@ -87,6 +87,11 @@ def run_errors(graph: Path) -> Iterator[None]:
         ) from e
 
 
+def host_rows_refusal(device: str) -> str | None:
+    """Why cache rows kept in host memory (SlotLM) cannot serve a graph on `device`; None on the CPU."""
+    return None if device == "cpu" else f"the cache rows live in CPU memory and this folder runs on {device}"
+
+
 def available_devices() -> list[str]:
     have = set(ort.get_available_providers())
     return [d for d, p in PROVIDERS.items() if p in have]

@@ -22,6 +22,7 @@ past) and shared (one (R, nh, capacity, hs) buffer per tensor, bound as past and
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,7 +32,9 @@ from gpt2edge.runtime.decoding.generate import left_pad, position_ids_from_mask
 from gpt2edge.runtime.model.lm import OrtGraph
 from gpt2edge.runtime.model.ort_session import run_errors
 from gpt2edge.runtime.model.slot_prefix import prefill_rows
-from gpt2edge.runtime.sparse_head.body import BodyGraph
+
+if TYPE_CHECKING:  # annotations only
+    from gpt2edge.runtime.model.contract import Graph
 
 MIN_POSITIONS = 64  # the first allocation's positions per row; doubled as rows grow
 # re-pack once P exceeds the longest row by this many slots and by an eighth of P: a re-pack copies every live row
@@ -41,32 +44,22 @@ REPACK_WASTE = 8
 REPACK_SHARE = 8
 
 
-def slot_refusal(graph) -> str | None:
-    """Why SlotLM cannot run this graph (None: it can): the exact reason, for an error or a server's log line."""
-    if getattr(graph, "device", "cpu") != "cpu":
-        return f"the cache rows live in CPU memory and this folder runs on {graph.device}"
-    if isinstance(graph, BodyGraph):
-        return getattr(graph, "slot_refusal", None)
-    if not isinstance(graph, OrtGraph):
-        return "a --static folder has fixed batch and cache shapes"
-    return None
-
-
 class SlotLM:
-    """`rows` cache rows on an OrtGraph, or a sparse-head folder's body graph under its full head (BodyGraph.slot_head)
-    (not thread-safe: one owner, e.g. the server's scheduler thread)."""
+    """`rows` cache rows on a Graph whose slot_refusal is None: an OrtGraph as it is, or a sparse-head folder's body
+    graph under its full head (its slot_view) (not thread-safe: one owner, e.g. the server's scheduler thread)."""
 
-    def __init__(self, graph: OrtGraph | BodyGraph, rows: int) -> None:
-        why = slot_refusal(graph)
+    def __init__(self, graph: Graph, rows: int) -> None:
+        why = graph.slot_refusal
         if why is not None:
             raise GenerationError(f"Cache rows that join and leave cannot run this folder: {why}.")
         if rows < 1:
             raise GenerationError(f"SlotLM needs at least 1 row, got {rows}.")
-        self.output, self.switches, self.head = "logprobs", {}, None
-        if isinstance(graph, BodyGraph):  # the body runs the blocks; its log-probs come from the full head
-            self.output, self.switches, self.head = graph.slot_head()
-            graph = graph.body
-        self.graph, self.rows, self.shared = graph, rows, graph.shared
+        # the graph of the blocks, what it reads and feeds, and the head after it (a sparse head's full head)
+        view = graph.slot_view()
+        self.output, self.switches, self.head = view.output, view.switches, view.head
+        self.graph: OrtGraph = view.graph
+        graph = view.graph
+        self.rows, self.shared = rows, graph.shared
         self.n_positions = int(graph.n_positions)
         self.n_tensors = len(graph.past_names)
         self.dtype = np.dtype(graph.kv_dtype)

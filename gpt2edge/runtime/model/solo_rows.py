@@ -24,18 +24,20 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.decoding.generate import decode_one_token, prefill
+from gpt2edge.runtime.model.contract import LM, Graph
 
 
 class SoloRows:
-    """`rows` one-row generation contexts on a graph (anything with new_lm(): OrtGraph, a sparse-head graph)."""
+    """`rows` one-row generation contexts on a Graph (its new_lm(): an OrtLM, a sparse head's LM); a Rows of
+    runtime/model/contract.py."""
 
-    def __init__(self, graph, rows: int) -> None:
+    def __init__(self, graph: Graph, rows: int) -> None:
         if rows < 1:
             raise GenerationError(f"SoloRows needs at least 1 row, got {rows}.")
         self.graph, self.rows = graph, rows
         self.n_positions = int(graph.n_positions)
         self.columns = graph.columns  # a vocabulary-trimmed head's columns (None: the full vocabulary)
-        self._lms: list = []  # one OrtLM per cache row, made on first use and kept (its cache buffers reused)
+        self._lms: list[LM] = []  # one OrtLM per cache row, made on first use and kept (its cache buffers reused)
         self.lengths = np.zeros(rows, dtype=np.int64)  # tokens each live row holds (its next position id)
         self.live = 0
         self.relayouts = 0  # never: rows do not share a length (kept for the scheduler's stats)
@@ -46,10 +48,21 @@ class SoloRows:
     def free_rows(self) -> int:
         return self.rows - self.live
 
+    @property
+    def past_len(self) -> int:
+        """The longest live row's length (rows share no length: each is read at its own)."""
+        return int(self.lengths[: self.live].max(initial=0))
+
+    def row_kv(self, i: int) -> list[np.ndarray]:
+        """Live row i's (nh, length, hs) keys and values per tensor: its own one-row cache (views)."""
+        if not 0 <= i < self.live:
+            raise ValueError(f"row {i} is not live (rows 0..{self.live - 1} are)")
+        return self._lms[i].row_tensors()
+
     def reserve(self, positions: int) -> None:
         """Nothing to touch ahead: each row's cache is reserved for the whole context at its first join."""
 
-    def _lm(self, i: int):
+    def _lm(self, i: int) -> LM:
         while len(self._lms) <= i:
             self._lms.append(self.graph.new_lm())
         return self._lms[i]

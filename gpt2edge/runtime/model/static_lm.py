@@ -12,6 +12,7 @@ so a step allocates nothing and binds nothing.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +20,12 @@ import numpy as np
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.manifest import resolve_inside
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.ort_session import create_session
+from gpt2edge.runtime.model.ort_session import create_session, host_rows_refusal
 
 _FIRST_PAST = 4  # input_ids, attention_mask, position_ids, cache_position, then the cache
+FIXED = "a --static folder has fixed batch and cache shapes"
+# what the row methods of runtime/model/contract.py's LM say here (request.py refuses such calls before any work)
+FIXED_ROWS = f"{FIXED}: its cache rows cannot be expanded, reordered, rolled back or saved; use a dynamic export."
 
 
 class StaticGraph:
@@ -78,6 +82,19 @@ class StaticGraph:
             raise ModelFolderError(f"{folder.path}: its graphs do not match the manifest's static shapes; re-export.")
         return g
 
+    approximate = None  # the model's own log-probs
+    columns = None  # never vocabulary-trimmed
+    supports_prefix_cache = False  # its cache is the fixed (B, nh, N, hs) pair, not rows to keep
+    probe_refusal = "not probed on this graph kind"
+
+    @property
+    def slot_refusal(self) -> str:
+        """Why SlotLM cannot run this graph: its rows and positions are fixed (and on CPU memory only)."""
+        return host_rows_refusal(self.device) or FIXED
+
+    def slot_view(self):
+        raise GenerationError(f"Cache rows that join and leave cannot run this folder: {self.slot_refusal}.")
+
     def new_lm(self, io_binding: bool = True) -> StaticLM:
         return StaticLM(self, io_binding=io_binding)
 
@@ -94,11 +111,12 @@ class StaticLM:
         threads: int | None = None,
         io_binding: bool = True,
     ) -> None:
-        g = graph if isinstance(graph, StaticGraph) else StaticGraph(Path(graph), decode, threads=threads)
+        g = StaticGraph(Path(graph), decode, threads=threads) if isinstance(graph, (str, os.PathLike)) else graph
         self.graph, self.folder, self.device = g, g.folder, g.device
         self.batch, self.chunk, self.n_positions = g.batch, g.chunk, g.n_positions
         self.n_layer, self.n_head, self.head_dim = g.n_layer, g.n_head, g.head_dim
         self.vocab_size, self.kv_dtype, self.kept_ids, self.shared = g.vocab_size, g.kv_dtype, None, False
+        self.columns = None
         self.past_names, self.present_names = g.past_names, g.present_names
         # IO binding by pointer on CPU; other devices run plainly (a static graph is for NPUs, CUDA only checks it)
         self.io_binding = io_binding and g.device == "cpu"
@@ -131,9 +149,35 @@ class StaticLM:
             # every slot is read (masked ones with weight 0): zeroed so nothing of an earlier run (a NaN) leaks
             self._cache[self._src] = 0
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+    supports_row_state = False  # the cache is a fixed ping-pong pair: no row to save or load
+
+    def configure_head(self, params, logprobs: bool = False) -> None:
+        """Nothing to configure: every step runs the graph's own head."""
+
+    def _fixed_rows(self, *_: object) -> None:
+        raise GenerationError(FIXED_ROWS)
+
+    # beam rows, several samples per prompt, speculative rollback and session files: refused in one line
+    use_rows = expand_rows = reorder_rows = rewind = compact = row_tensors = load_row = _fixed_rows
+
+    def forward_kept(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """forward(): the columns are the full vocabulary."""
+        return self.forward(input_ids, attention_mask, position_ids)
+
+    def forward(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, keep: int | None = None
+    ) -> np.ndarray:
         """(b, S) ids, (b, past+S) mask, (b, S) positions -> (b, V) log-probs after the last token (a view of
-        a buffer the next forward overwrites)."""
+        a buffer the next forward overwrites); keep=1 gives (b, 1, V) (the graph returns the last position only)."""
+        if keep is not None and keep != 1:
+            raise ModelFolderError(
+                f"{self.folder.path if self.folder is not None else 'this static graph'} returns log-probs at the "
+                "last position only; a static export takes keep=1 at most."
+            )
+        lp = self._forward(input_ids, attention_mask, position_ids)
+        return lp if keep is None else lp[:, None]
+
+    def _forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         b, S = input_ids.shape
         P = self.past_len
         if P + S > self.n_positions or b > self.rows:

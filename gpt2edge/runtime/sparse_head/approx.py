@@ -84,7 +84,8 @@ class ApproxGraph(BodyGraph):
 
     def __init__(self, body, device: str = "cpu", threads: int | None = None, spin: bool = True) -> None:
         folder = body.folder
-        self.folder, self.body, self.device = folder, body, device
+        self._take_body(body)
+        self.device = device
         self.rec = ApproxHeadInfo.of(folder.info, str(folder.path / "manifest.json"))
         self.head_path = resolve_inside(folder.path, self.rec.head_file)
         self.head_session = create_session(
@@ -102,7 +103,10 @@ class ApproxGraph(BodyGraph):
 
     # why gpt2edge.runtime.model.slots does not serve it (the server then runs next-batch, where ApproxLM refuses
     # what its head cannot do): rows that join and leave would not apply those refusals (logprobs)
-    slot_refusal = "an approximate sparse head (--mode cluster) is served one batch at a time, under its refusals"
+    own_slot_refusal = "an approximate sparse head (--mode cluster) is served one batch at a time, under its refusals"
+
+    def slot_view(self):
+        raise GenerationError(f"Cache rows that join and leave cannot run this folder: {self.own_slot_refusal}.")
 
     @property
     def approximate(self) -> dict[str, Any]:
@@ -147,13 +151,3 @@ class ApproxLM(BodyLM):
         if keep is not None:  # a last-position graph: keep is 1 (OrtLM refuses more)
             return self.graph.head(h[:, -1])[:, None]
         return self.graph.head(h)
-
-
-def sparse_graph(body, device: str = "cpu", threads: int | None = None, spin: bool = True):
-    """The head for a sparse-head folder's body: ApproxGraph for an approximate mode, else the exact SparseGraph."""
-    rec = body.folder.info.raw.get("sparse_head")
-    if isinstance(rec, dict) and rec.get("mode", "exact") != "exact":
-        return ApproxGraph(body, device=device, threads=threads, spin=spin)
-    from gpt2edge.runtime.sparse_head.lm import SparseGraph
-
-    return SparseGraph(body, device=device, threads=threads, spin=spin)

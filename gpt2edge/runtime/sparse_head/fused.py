@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpt2edge.runtime.model.lm import OrtLM
 from gpt2edge.runtime.sparse_head.exact import TIE
 
 IDS, LOGITS, BAR = "sparse_ids", "sparse_logits", "sparse_bar"
@@ -28,11 +29,11 @@ FUSED_TOL = TIE / 8  # the graph's float32 logits against exact.py's (measured ~
 class FusedReader:
     """The sparse outputs of one OrtLM's body runs (not thread-safe: one per SparseLM)."""
 
-    def __init__(self, body_lm, k: int, vocab_size: int, native: bool = False) -> None:
+    def __init__(self, body_lm: OrtLM, k: int, vocab_size: int, native: bool = False) -> None:
         self.body, self.K, self.V = body_lm, k, vocab_size
         self.native = native  # the outputs come from native.py, not the graph: the graph's step is switched off
         # the body graph holds the full head too (guard.py): switched on, its log-probs land in _full_buf
-        self.head_in_graph = HEAD_SWITCH in getattr(body_lm, "switches", {}) and body_lm.binding is not None
+        self.head_in_graph = HEAD_SWITCH in body_lm.switches and body_lm.binding is not None
         self._full_buf = np.empty((0, vocab_size), dtype=np.float32)
         self._full_mode: tuple[bool, int] | None = None  # how FULL_OUTPUT is bound: (on, B)
         self.B = 0

@@ -62,7 +62,7 @@ class SparseStats:
 
 class SparseGraph(BodyGraph):
     """A sparse-head folder loaded once (shared by threads): the body graph (an OrtGraph whose first output is
-    `hidden`, from gpt2edge.runtime.model.lm.load_graph), the head graph, the bound graph and the tables."""
+    `hidden`, from gpt2edge.runtime.open_model.load_graph), the head graph, the bound graph and the tables."""
 
     def __init__(
         self,
@@ -78,8 +78,8 @@ class SparseGraph(BodyGraph):
         rec = SparseHeadInfo.of(folder.info, str(folder.path / "manifest.json"))
         if rec is None:
             raise ModelFolderError(f"{folder.path} has no sparse head; load it with load_graph.")
-        self.folder, self.rec, self.device = folder, rec, device
-        self.body = body
+        self._take_body(body)
+        self.rec, self.device = rec, device
         out = body.session.get_outputs()[0]
         width = out.shape[-1] if out.shape else None
         if out.name != "hidden" or (isinstance(width, int) and width != folder.dims.n_embd):

@@ -17,13 +17,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.contract import LM
 
 
 class CachedSequence:
     """The tokens an OrtLM's cache holds for one sequence: feed(), truncate(), sync() to a token history."""
 
-    def __init__(self, lm: OrtLM, length: int, dead_room: int = 0) -> None:
+    def __init__(self, lm: LM, length: int, dead_room: int = 0) -> None:
         """Reserve the cache for `length` live positions plus `dead_room` slots for rejected tokens (concat)."""
         self.lm = lm
         self.capacity = length + (0 if lm.shared else dead_room)

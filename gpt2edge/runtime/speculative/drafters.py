@@ -16,8 +16,8 @@ from tokenizers import Tokenizer
 
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.runtime.decoding.sampling import SamplingParams
+from gpt2edge.runtime.model.contract import LM
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.lm import OrtLM
 from gpt2edge.runtime.speculative.cache import CachedSequence
 from gpt2edge.runtime.speculative.rules import Dist, greedy_token, target_dist
 
@@ -64,7 +64,7 @@ class ModelDrafter:
     target's history: before each proposal it keeps the common prefix (rolling back rejected drafts) and feeds
     the rest."""
 
-    def __init__(self, lm: OrtLM, length: int, dead_room: int) -> None:
+    def __init__(self, lm: LM, length: int, dead_room: int) -> None:
         self.seq = CachedSequence(lm, length, dead_room)
         self.n_positions = lm.n_positions
 

@@ -72,12 +72,12 @@ class Verdict:
 
 def check_params(params: SamplingParams) -> None:
     """Refuse what speculative decoding does not reproduce: beam search, and processors this module lacks."""
-    if getattr(params, "num_beams", 1) > 1:
-        raise GenerationError(
-            "Speculative decoding (--draft / --prompt-lookup) cannot be combined with beam search "
-            "(num_beams > 1); drop one of them."
-        )
     for f in dataclasses.fields(params):
+        if f.name == "num_beams" and params.num_beams > 1:  # a params kind that carries beams
+            raise GenerationError(
+                "Speculative decoding (--draft / --prompt-lookup) cannot be combined with beam search "
+                "(num_beams > 1); drop one of them."
+            )
         if f.name in HANDLED_PARAMS or f.name == "num_beams":
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]

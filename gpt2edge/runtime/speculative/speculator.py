@@ -26,8 +26,9 @@ from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.runtime.decoding.generate import GenerationState, Step, length_error
 from gpt2edge.runtime.decoding.row_decoder import RowDecoder
 from gpt2edge.runtime.decoding.sampling import SamplingParams
+from gpt2edge.runtime.model.contract import LM
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.lm import OrtGraph, OrtLM
+from gpt2edge.runtime.model.lm import OrtGraph
 from gpt2edge.runtime.model.pool import LMPool
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 from gpt2edge.runtime.speculative.cache import CachedSequence
@@ -141,7 +142,7 @@ class Speculator:
             )
         check_params(params)
 
-    def iter_generate(self, lm: OrtLM, tokenizer: TextTokenizer, state: GenerationState) -> Iterator[Step]:
+    def iter_generate(self, lm: LM, tokenizer: TextTokenizer, state: GenerationState) -> Iterator[Step]:
         """Like generate.iter_generate, for one prompt; `state` should be a SpecState (for its stats)."""
         self.check(state.prompts, state.params)
         k, adaptive = self.lengths

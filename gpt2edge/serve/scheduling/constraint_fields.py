@@ -61,7 +61,7 @@ def _build(name: str, value: Any) -> Constraint | None:
 def constraint_from(req: Any, compile: Callable[[Constraint], Any] | None) -> tuple[Constraint | None, Any]:
     """(the Constraint, its compiled form) of the request's one structured-output field, or (None, None).
     compile: the scheduler's compiler for this model (None: this server cannot constrain)."""
-    given = [name for name in FIELDS if getattr(req, name, None) is not None]
+    given = [name for name in FIELDS if getattr(req, name) is not None]  # every request has them (SamplingFields)
     if len(given) > 1:
         raise ApiError(400, f"{given[0]} and {given[1]} both constrain the output; send at most one of "
                        f"{', '.join(FIELDS)}.", given[1], "invalid_value")  # fmt: skip

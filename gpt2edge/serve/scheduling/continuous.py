@@ -30,7 +30,6 @@ import numpy as np
 from gpt2edge.errors import Gpt2EdgeError, ServeError
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
 from gpt2edge.runtime.decoding.row_decoder import RowGroup
-from gpt2edge.runtime.model.slots import slot_refusal
 from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import advance, fail
 from gpt2edge.serve.scheduling.grouping import cache_rows, take_aligned
@@ -301,7 +300,7 @@ def make_scheduler(generator, config: ServeConfig) -> Scheduler:
     folder under its full head), and falls back to next-batch with a log line saying why elsewhere (a --static
     folder, CUDA, an approximate sparse head)."""
     if config.scheduler == "continuous":
-        why = slot_refusal(generator.graph)
+        why = generator.graph.slot_refusal
         if why is None:
             return ContinuousScheduler(generator, config)
         if config.slot_save_path is not None:  # asked for outright: a log line would leave every save a 501

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from gpt2edge.runtime.model.lm import OrtGraph
+from gpt2edge.runtime.model.contract import Graph, Rows
 from gpt2edge.runtime.model.row_invariance import row_alignment
 from gpt2edge.runtime.model.slots import SlotLM
 from gpt2edge.runtime.model.solo_rows import SoloRows
@@ -16,7 +16,7 @@ from gpt2edge.serve.scheduling.jobs import Job
 log = logging.getLogger("gpt2edge.serve")
 
 
-def cache_rows(graph, rows: int, deterministic: bool) -> tuple[SlotLM | SoloRows, int | None]:
+def cache_rows(graph: Graph, rows: int, deterministic: bool) -> tuple[Rows, int | None]:
     """The cache rows, and the left-pad multiple admission must keep (None: any).
 
     Default: all live rows in one batched run on shared-length cache rows (SlotLM). --deterministic, where a
@@ -26,7 +26,8 @@ def cache_rows(graph, rows: int, deterministic: bool) -> tuple[SlotLM | SoloRows
     lengths or padding."""
     if not deterministic:
         return SlotLM(graph, rows), None
-    align, why = row_alignment(graph) if isinstance(graph, OrtGraph) else (None, "not probed on this graph kind")
+    why = graph.probe_refusal
+    align, why = row_alignment(graph) if why is None else (None, why)
     if align is not None:
         log.info("--deterministic: rows batched at left pads that are multiples of %d (exact on this folder)", align)
         return SlotLM(graph, rows), align
@@ -34,7 +35,7 @@ def cache_rows(graph, rows: int, deterministic: bool) -> tuple[SlotLM | SoloRows
     return SoloRows(graph, rows), None
 
 
-def take_aligned(waiting: deque[Job], slots: SlotLM, budget: int, align: int) -> tuple[list[Job], bool]:
+def take_aligned(waiting: deque[Job], slots: Rows, budget: int, align: int) -> tuple[list[Job], bool]:
     """Remove and return the waiting jobs that join at this step, and whether the first runs isolated.
 
     Only jobs whose every row's left pad in the shared length P comes out a multiple of `align` (prompt length

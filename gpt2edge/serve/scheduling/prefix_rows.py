@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gpt2edge.runtime.model.contract import Rows
 from gpt2edge.runtime.model.prefix_cache import BLOCK, PrefixCache
-from gpt2edge.runtime.model.slots import SlotLM
 from gpt2edge.serve.scheduling.jobs import Job
 from gpt2edge.serve.scheduling.slot_records import SlotRecords
 
@@ -26,7 +26,7 @@ from gpt2edge.serve.scheduling.slot_records import SlotRecords
 class PrefixRows:
     """The prefix cache of one SlotLM's rows."""
 
-    def __init__(self, slots: SlotLM, max_bytes: int) -> None:
+    def __init__(self, slots: Rows, max_bytes: int) -> None:
         self.slots = slots
         self.cache = PrefixCache.for_graph(slots.graph, max_bytes)
         self.keep = True  # False after a failed step, until its rows are released
@@ -66,6 +66,6 @@ class PrefixRows:
         return {f"prefix_{k}": v for k, v in self.cache.snapshot().items()}
 
 
-def prefix_rows(slots: SlotLM, max_bytes: int) -> PrefixRows | None:
+def prefix_rows(slots: Rows, max_bytes: int) -> PrefixRows | None:
     """The scheduler's prefix cache (None when --prefix-cache-bytes is 0)."""
     return PrefixRows(slots, max_bytes) if max_bytes > 0 else None

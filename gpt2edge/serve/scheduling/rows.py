@@ -27,7 +27,7 @@ def serving_rows(generator, max_batch: int | None, prefix_cache_bytes: int = 0) 
     what it leaves."""
     avail = available_bytes()
     cache = _prefix_cache_room(prefix_cache_bytes, avail)
-    static = getattr(generator.lm, "batch", None)
+    static = generator.lm.batch
     if static is not None:  # a --static graph: its cache is already allocated for its batch
         asked = DEFAULT_ROWS if max_batch is None else max_batch
         return (int(static), STATIC) if static < asked else (asked, "")

@@ -13,7 +13,6 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from gpt2edge.runtime.sparse_head.approx import ApproxGraph
 from gpt2edge.serve.hosting.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import fail, run_batch, take_batch
 from gpt2edge.serve.scheduling.jobs import Job
@@ -66,7 +65,7 @@ class Scheduler:
         self._stats = SchedulerStats()
         # an approximate LM head (sparse-head --mode cluster) is not the model's distribution: every /v1 response
         # and the model card say so (None for every other folder)
-        self.head = generator.graph.approximate if isinstance(generator.graph, ApproxGraph) else None
+        self.head = generator.graph.approximate
         self._thread = threading.Thread(target=self._loop, name="gpt2edge-scheduler", daemon=True)
 
     @property
@@ -76,7 +75,7 @@ class Scheduler:
     def limits(self) -> ModelLimits:
         vocab = int(self.generator.graph.vocab_size)
         return ModelLimits(self.n_positions, self.max_rows, vocab, self.encode, self._rows_why,
-                           getattr(self.tokenizer, "max_token_bytes", lambda: None)(), self.compile)  # fmt: skip
+                           self.tokenizer.max_token_bytes(), self.compile)  # fmt: skip
 
     def compile(self, constraint):
         """A request's constraint compiled for this model (the engine's bounded cache: a repeated one compiles
