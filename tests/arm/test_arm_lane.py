@@ -22,7 +22,7 @@ EXPECTED = {
     "max": ("QEMU max", "arm64-sve", {"asimddp", "i8mm", "sve", "sme"}, set()),
     "max,sme=off": ("QEMU max", "arm64-sve", {"asimddp", "i8mm", "sve"}, {"sme"}),
 }
-PARITY = Path(__file__).parent.parent / "lane-parity"
+PARITY = Path(__file__).resolve().parents[2] / "lane-parity"
 
 
 def expected():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "aarch64_parity.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "aarch64_parity.py"
 spec = importlib.util.spec_from_file_location("aarch64_parity", SCRIPT)
 parity = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(parity)

@@ -17,7 +17,7 @@ from gpt2edge.cli import main
 from gpt2edge.errors import GenerationError
 from gpt2edge.manifest import load_manifest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 FIELDS = (
     "prefill_ms",

@@ -174,7 +174,7 @@ def test_endless_fifo_corpus_streams_in_constant_memory_and_stops_on_ctrl_c(tiny
     from pathlib import Path
 
     fifo = tmp_path / "endless"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     with endless_fifo(fifo, b"the quick brown fox jumps over the lazy dog\n" * 2000):
         p = subprocess.Popen(
             [sys.executable, "-c", ENDLESS, str(tiny_export), str(tmp_path / "out"), str(fifo)],

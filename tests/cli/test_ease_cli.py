@@ -18,12 +18,9 @@ from click.testing import CliRunner
 
 from gpt2edge.cli import main
 from gpt2edge.cli.escapes import process_escapes
+from tests.support import cli
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def cli(*args, input=None):
-    return CliRunner().invoke(main, [str(a) for a in args], input=input)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def gen(folder, *args, input=None):

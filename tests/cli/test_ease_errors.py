@@ -22,22 +22,9 @@ from gpt2edge.cli import main
 from gpt2edge.errors import ArgumentTypeError, GenerationError
 from gpt2edge.runtime import Generator, ModelFolder
 from gpt2edge.runtime.score import Scorer
+from tests.support import cli, one_error_line
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def cli(*args) -> object:
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(r, *words: str) -> None:
-    """Exit status 1, no traceback, a single `error:` line that holds each of `words`."""
-    assert r.exit_code == 1, (r.output, r.exception)
-    assert not isinstance(r.exception, Exception) or isinstance(r.exception, SystemExit), r.exception
-    lines = [line for line in r.output.strip().splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, r.output
-    for w in words:
-        assert w in lines[0], lines[0]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def edited_copy(src: Path, dst: Path, edit) -> Path:

@@ -21,13 +21,10 @@ from gpt2edge.manifest import MANIFEST_NAME
 from gpt2edge.prompt_input import parse_prompts
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.model.kv_cache import KVCache
+from tests.support import cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON that Python's parser cannot nest this deep
-
-
-def cli(*args):
-    return CliRunner().invoke(main, list(map(str, args)))
 
 
 def assert_one_line_error(result, *phrases):

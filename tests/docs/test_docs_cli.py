@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import click
 import pytest
-from docs_markdown import ROOT, doc_files, drop_quoted, fenced_blocks, strip_comment
 
 from gpt2edge.cli import main
+from tests.support.docs_markdown import ROOT, doc_files, drop_quoted, fenced_blocks, strip_comment
 
 # Options a synopsis may leave out on purpose, with why. Aliases need no entry: naming any one spelling of an
 # option (--temperature or --temp) counts for all.

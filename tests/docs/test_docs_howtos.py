@@ -13,7 +13,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from docs_markdown import DOCS, ROOT, doc_files, fenced_blocks
+
+from tests.support.docs_markdown import DOCS, ROOT, doc_files, fenced_blocks
 
 PROMPT = "The weather today"  # the pages' prompt
 N_NEW = 32  # the pages' number of new tokens

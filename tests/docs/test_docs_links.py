@@ -12,7 +12,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
-from docs_markdown import DOCS, ROOT, doc_files, fenced_blocks, links_and_ids, render
+
+from tests.support.docs_markdown import DOCS, ROOT, doc_files, fenced_blocks, links_and_ids, render
 
 pytest.importorskip("markdown", reason="the docs checks need mkdocs (pip install '.[dev]')")
 

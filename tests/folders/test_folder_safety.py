@@ -16,22 +16,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from click.testing import CliRunner
 
 from gpt2edge import folder as folder_mod
-from gpt2edge.cli import main
 from gpt2edge.errors import ModelFolderError, OutputExistsError
 from gpt2edge.export import exporter, onnx_graph
 from gpt2edge.folder import derive  # the skeleton writes a derived folder's manifest
 from gpt2edge.manifest import MANIFEST_NAME, file_digest, load_manifest
 from gpt2edge.quantize.handler import make_recipe, quantize_model
 from gpt2edge.runtime import Generator, ModelFolder
+from tests.support import cli
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def cli(*args):
-    return CliRunner().invoke(main, list(map(str, args)))
+REPO = Path(__file__).resolve().parents[2]
 
 
 def assert_one_line_error(result, *phrases):

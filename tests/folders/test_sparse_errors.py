@@ -7,22 +7,10 @@ import json
 import shutil
 
 import pytest
-from click.testing import CliRunner
 
-from gpt2edge.cli import main
 from gpt2edge.errors import ChecksumError, ModelFolderError
 from gpt2edge.runtime.generator import Generator
-
-
-def cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(r, match: str) -> None:
-    assert r.exit_code == 1, r.output
-    lines = [line for line in r.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and match in lines[0], r.output
-    assert "Traceback" not in r.output
+from tests.support import cli, one_error_line
 
 
 @pytest.fixture(scope="module")

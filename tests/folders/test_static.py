@@ -11,9 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from gpt2edge.cli import main
 from gpt2edge.errors import ExportError, GenerationError, ModelFolderError
 from gpt2edge.export.model import from_hf_model
 from gpt2edge.export.static import (
@@ -29,15 +27,12 @@ from gpt2edge.runtime import Generator, ModelFolder
 from gpt2edge.runtime.model.lm import OrtLM
 from gpt2edge.runtime.model.static_lm import StaticLM
 from gpt2edge.runtime.score import Scorer
+from tests.support import cli
 
 SHAPE = StaticShape(batch=2, chunk=8, capacity=64)
 GREEDY = dict(max_new_tokens=16, do_sample=False, ignore_eos=True)
 # 4 tokens (one padded chunk) and 13 (a full chunk of 8, then a padded one): neither a multiple of the chunk
 PROMPTS = ["The river rose and", "Visitors came to the old town to see the bridge and the river"]
-
-
-def cli(*args):
-    return CliRunner().invoke(main, [*map(str, args)])
 
 
 @pytest.fixture(scope="module")

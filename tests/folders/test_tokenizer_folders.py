@@ -10,24 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from gpt2edge.cli import main
 from gpt2edge.manifest import MANIFEST_NAME, file_digest
-
-
-def cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(r, *phrases: str) -> str:
-    assert r.exit_code == 1, r.output
-    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
-    lines = r.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.output[-2000:]
-    for phrase in phrases:
-        assert phrase in lines[0], lines[0]
-    return lines[0]
+from tests.support import cli, one_error_line
 
 
 def tokenizer_json(vocab_size: int = 400, empty: bool = False) -> str:

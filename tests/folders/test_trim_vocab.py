@@ -4,6 +4,7 @@ ids (generation, streaming, results unchanged), the keep-set rules, the manifest
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -24,6 +25,7 @@ from gpt2edge.runtime.model.lm import OrtLM
 from gpt2edge.sample_text import SAMPLE_TEXT
 from gpt2edge.trim.handler import trim_vocab
 from gpt2edge.trim.keep import byte_token_ids
+from tests.support import cli as run_cli
 
 EOS = 0  # the tiny tokenizer's <|endoftext|>
 V = 400  # the tiny model's vocabulary
@@ -232,8 +234,7 @@ def test_trimmed_folder_quantizes(trimmed_fp32, tmp_path):
     assert set(r.token_ids) <= set(np.load(trimmed_fp32 / "kept_ids.npy").tolist())
 
 
-def cli(*args):
-    return CliRunner().invoke(main, ["trim-vocab", *map(str, args)])
+cli = functools.partial(run_cli, "trim-vocab")  # the shared in-process runner, on trim-vocab
 
 
 def refused(result, phrase: str) -> None:

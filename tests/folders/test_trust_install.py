@@ -19,10 +19,10 @@ import pytest
 
 from gpt2edge.errors import OutputExistsError
 from gpt2edge.folder import atomic_output_dir
-from gpt2edge.folder.temp import _host_tag, clean_stale
+from gpt2edge.folder.temp import clean_stale, host_tag
 from gpt2edge.manifest.records import FORMAT, MANIFEST_NAME
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # replaces OUT with --force; the second rename (the new folder in) waits DELAY s after OUT was moved aside
 WRITER = """
@@ -104,7 +104,7 @@ def _dead_pid() -> int:
 
 def _stale(parent: Path, name: str, kind: str, child: str | None = None, version: str = "old") -> Path:
     """A temp folder named as gpt2edge names them, owned by a process that is gone."""
-    stale = parent / f".{name}.{kind}-{_host_tag()}-{_dead_pid()}-1-abcd1234"
+    stale = parent / f".{name}.{kind}-{host_tag()}-{_dead_pid()}-1-abcd1234"
     stale.mkdir()
     if child is not None:
         _folder(stale / child, version)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-MODEL = Path(__file__).resolve().parents[1] / "models" / "gpt2-stdlib-mini"
+MODEL = Path(__file__).resolve().parents[2] / "models" / "gpt2-stdlib-mini"
 PROMPT = "import os\nimport sys\n\n\ndef"
 
 

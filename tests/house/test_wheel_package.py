@@ -10,7 +10,7 @@ import pytest
 
 import gpt2edge.convert.web as web
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _setup_module():

@@ -20,7 +20,7 @@ from gpt2edge.runtime import Generator
 from gpt2edge.runtime.conversation import ContextOverflow, ContextOverflowWarning
 from gpt2edge.runtime.decoding.generate import generate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TURNS = ["The river rose and", " the city", " was quiet. Then", " children"]
 GREEDY = dict(ignore_eos=True, do_sample=False)
 

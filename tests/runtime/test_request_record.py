@@ -61,7 +61,7 @@ def _js_array(src: str, name: str) -> list[str]:
 
 
 def test_the_browser_runtimes_keys_are_the_records():
-    src = (Path(__file__).resolve().parents[1] / "web" / "src" / "generator.js").read_text()
+    src = (Path(__file__).resolve().parents[2] / "web" / "src" / "generator.js").read_text()
     keys, knobs = _js_array(src, "CONFIG_KEYS"), _js_array(src, "SAMPLING_KNOBS")
     assert set(keys) <= set(CONFIG_KEYS), set(keys) - set(CONFIG_KEYS)
     assert knobs == [k for k in SAMPLING_KNOBS if k in keys]  # the same rule: giving one turns sampling on

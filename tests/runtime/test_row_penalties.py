@@ -5,10 +5,9 @@ import pytest
 
 pytest.importorskip("fastapi", reason="fastapi is not installed (serve extra)")
 
-from test_serve import PROMPTS, post, running  # noqa: E402
-
 from gpt2edge.errors import GenerationError  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
+from tests.support.serve import PROMPTS, post, running  # noqa: E402
 
 
 @pytest.mark.parametrize("scheduler", ["continuous", "next-batch"])

@@ -18,7 +18,7 @@ from gpt2edge.errors import GenerationError, SessionFileError
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.session_file import MAGIC, read_session
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GREEDY = dict(ignore_eos=True, do_sample=False, max_new_tokens=10)
 SEEDED = dict(ignore_eos=True, do_sample=True, temperature=1.0, seed=7, max_new_tokens=10)
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sparse_cases import CERTIFICATE_CASES, small_groups
 
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.runtime.decoding.sampling import SamplingParams, softmax
 from gpt2edge.runtime.generator import Generator
 from gpt2edge.runtime.sparse_head import native
+from tests.support.sparse_cases import CERTIFICATE_CASES, small_groups
 
 PROMPTS = ["The river rose and", "A quiet"]
 KINDS = [(kv, p) for kv in ("concat", "shared") for p in ("fp32", "int8", "int4")]

@@ -10,12 +10,12 @@ import shutil
 
 import numpy as np
 import pytest
-from sparse_cases import CERTIFICATE_CASES, ONE_TWO, small_groups
 
 from gpt2edge.errors import ModelFolderError
 from gpt2edge.runtime.generator import Generator
 from gpt2edge.runtime.sparse_head import native
 from gpt2edge.runtime.sparse_head.exact import TIE, HeadKernel
+from tests.support.sparse_cases import CERTIFICATE_CASES, ONE_TWO, small_groups
 
 needs_library = pytest.mark.skipif(native.LIBRARY is None, reason="the native step is not built")
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from test_speculative import PROMPTS, TIE, assert_same_greedy, check_sampling_distribution
 
 from gpt2edge.manifest import KEEP_INPUT, load_manifest
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import OrtLM
+from tests.support.speculative import PROMPTS, TIE, assert_same_greedy, check_sampling_distribution
 
 # A verify step's k + 1 rows and plain decoding's one row take different kernel paths; at accuracy level 4
 # (int8 activations, the default) a rounding difference upstream can move one activation's int8 code, which

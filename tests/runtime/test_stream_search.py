@@ -9,12 +9,11 @@ import json
 import shutil
 
 import pytest
-from click.testing import CliRunner
 
-from gpt2edge.cli import main
 from gpt2edge.errors import GenerationError
 from gpt2edge.manifest import load_manifest, write_manifest
 from gpt2edge.runtime import Generator
+from tests.support import cli
 
 
 def folder_with(tiny_export, tmp_path_factory, name: str, **config):
@@ -70,10 +69,6 @@ def test_a_session_refuses_the_folders_beam_search(beams, method):
 
 
 # --- CLI ---------------------------------------------------------------------------------------------------------
-
-
-def cli(*args, input=None):
-    return CliRunner().invoke(main, list(map(str, args)), input=input)
 
 
 def notes(result) -> list[str]:

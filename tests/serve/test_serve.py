@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from collections import deque
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,64 +32,20 @@ from gpt2edge.runtime.decoding.row_decoder import RowDecoder  # noqa: E402
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams  # noqa: E402
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
-from gpt2edge.serve.api.app import create_app  # noqa: E402
-from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
 from gpt2edge.serve.scheduling.batch import advance, take_batch  # noqa: E402
-from gpt2edge.serve.scheduling.continuous import ContinuousScheduler  # noqa: E402
 from gpt2edge.serve.scheduling.jobs import Job, Piece, Sampling  # noqa: E402
 from gpt2edge.serve.scheduling.scheduler import Scheduler  # noqa: E402
-
-PROMPTS = [
-    "The river rose and",
-    "Children learned to swim before they could read, and the",
-    "A",
-    "Visitors walk along the old harbour wall at dusk while",
-    "",
-    "The city",
-    "Snow fell on the quiet hills",
-    "Über café – naïve résumé",
-]
-GREEDY = dict(min_new_tokens=0, top_k=0, repetition_penalty=1.0, do_sample=False)
-
-
-class SlowGenerator(Generator):
-    """A Generator whose decode steps take at least `delay` seconds, so a test can leave mid-stream."""
-
-    delay = 0.0
-
-    def generate(self, prompt, *, callback=None, **kw):
-        def slow(step):
-            time.sleep(self.delay)
-            if callback is not None:
-                callback(step)
-
-        return super().generate(prompt, callback=slow, **kw)
-
-
-class SlowContinuous(ContinuousScheduler):
-    """A continuous scheduler whose decode steps take at least `delay` seconds."""
-
-    delay = 0.0
-
-    def _run_next(self) -> bool:
-        time.sleep(self.delay)
-        return super()._run_next()
-
-
-@contextmanager
-def running(model_dir: Path, delay: float = 0.0, **limits):
-    """A real uvicorn server on a thread (continuous batching unless scheduler="next-batch"); yields
-    (url, scheduler); stopped on exit."""
-    config = ServeConfig(model_name="tiny", **limits)
-    if config.scheduler == "continuous":
-        scheduler = SlowContinuous(Generator(model_dir), config)
-        scheduler.delay = delay
-    else:
-        gen = SlowGenerator(model_dir)
-        gen.delay = delay
-        scheduler = Scheduler(gen, config)
-    with BackgroundServer(create_app(lambda: scheduler, config)) as url:
-        yield url, scheduler
+from tests.support.serve import (  # noqa: E402
+    GREEDY,
+    PROMPTS,
+    alone,
+    joined,
+    parse_sse,
+    post,
+    running,
+    stream_one,
+    wait_idle,
+)
 
 
 @pytest.fixture(scope="module")
@@ -102,57 +57,6 @@ def ref(tiny_export) -> Generator:
 def server(tiny_export):
     with running(tiny_export, max_batch=8, batch_wait_ms=50) as (url, _):
         yield url
-
-
-def alone(gen: Generator, prompt: str, max_tokens: int, stop=(), ignore_eos=False) -> str:
-    return gen.generate(prompt, max_new_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos, **GREEDY).text
-
-
-def post(url: str, body, timeout: float = 60) -> httpx.Response:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(url + "/v1/completions", content=content, timeout=timeout)
-
-
-def parse_sse(lines) -> list:
-    """The `data:` payloads of an event stream, JSON-decoded ("[DONE]" kept as a string)."""
-    out = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: ") :]
-            out.append(data if data == "[DONE]" else json.loads(data))
-        else:
-            assert line == "", f"unexpected SSE line {line!r}"
-    return out
-
-
-def joined(events: list) -> dict[int, str]:
-    texts: dict[int, str] = {}
-    for e in events[:-1]:
-        for c in e["choices"]:
-            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
-    return texts
-
-
-async def stream_one(client: httpx.AsyncClient, body: dict, leave_after: int | None = None) -> list:
-    """Stream a completion; with leave_after, close the connection after that many events."""
-    events = []
-    async with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line:
-                events += parse_sse([line])
-                if leave_after is not None and len(events) >= leave_after:
-                    return events
-    return events
-
-
-def wait_idle(url: str, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        h = httpx.get(url + "/health", timeout=10).json()
-        if (h["waiting"], h["running"]) == (0, 0) or time.monotonic() > deadline:
-            return h
-        time.sleep(0.05)
 
 
 # ---- what a completion returns --------------------------------------------------------------------------
@@ -761,7 +665,7 @@ def test_row_logprobs_go_out_with_their_text(tiny_export, tmp_path):
 
 
 def test_cli_serve_starts_serves_and_stops(tiny_export):
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpt2edge.cli", "serve", str(tiny_export), "--port", "0", "--model-name", "tiny"],
         stdout=subprocess.PIPE,

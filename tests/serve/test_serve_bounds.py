@@ -15,11 +15,10 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'gpt2edge[serve]'")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
 
-from test_serve import post, running  # noqa: E402
-
 from gpt2edge.errors import ServeError  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.api.protocol import ApiError  # noqa: E402
+from tests.support.serve import post, running  # noqa: E402
 
 # one template, many behaviours: the last message's content picks a way to amplify or to fail
 TEMPLATE = """{% set last = messages[-1].content %}
@@ -279,7 +278,7 @@ def test_tokenize_runs_off_the_event_loop(server, monkeypatch):
 
 
 def _raw(url: str, pieces: list[bytes]) -> bytes:
-    from test_serve_hardening import connect, read_all
+    from tests.support.serve import connect, read_all
 
     s = connect(url)
     try:
@@ -348,12 +347,11 @@ def test_content_length_with_transfer_encoding_is_refused(small_heads, framing):
 
 
 def test_streams_past_the_shutdown_timeout_end_with_an_error_event(tiny_export, capfd, monkeypatch):
-    from test_serve import SlowContinuous, parse_sse
-
     from gpt2edge.runtime import Generator
     from gpt2edge.serve.api.app import create_app
     from gpt2edge.serve.hosting import server as hosting
     from gpt2edge.serve.hosting.server import BackgroundServer
+    from tests.support.serve import SlowContinuous, parse_sse
 
     # a loaded host may need more than the default 2 s for four streams to send their error event and close
     # before uvicorn cancels them: the error events come at the shutdown timeout either way

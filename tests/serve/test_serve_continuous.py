@@ -14,8 +14,6 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'gpt2edge[serve]'")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
 
-from test_serve import PROMPTS, alone, joined, post, stream_one  # noqa: E402
-
 from gpt2edge.errors import ServeError  # noqa: E402
 from gpt2edge.memory import SHARE  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
@@ -32,6 +30,7 @@ from gpt2edge.serve.scheduling.continuous import (  # noqa: E402
 from gpt2edge.serve.scheduling.jobs import Job, Piece, Sampling  # noqa: E402
 from gpt2edge.serve.scheduling.rows import MEMORY, STATIC, serving_rows  # noqa: E402
 from gpt2edge.serve.scheduling.scheduler import Scheduler  # noqa: E402
+from tests.support.serve import PROMPTS, alone, joined, post, stream_one  # noqa: E402
 
 SAMPLED = dict(temperature=1.5, top_p=0.9)
 

@@ -20,32 +20,11 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'gpt2edge[serve]'")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
 
-from test_serve import alone, parse_sse, post, running  # noqa: E402
-
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.serve.api.app import drain  # noqa: E402
 from gpt2edge.serve.api.events import EventBuffer  # noqa: E402
 from gpt2edge.serve.scheduling.jobs import Failure, Piece  # noqa: E402
-
-
-def connect(url: str, rcvbuf: int | None = None) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    s = socket.socket()
-    if rcvbuf is not None:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.connect((host, int(port)))
-    s.settimeout(10)
-    return s
-
-
-def read_all(s: socket.socket) -> bytes:
-    out = b""
-    try:
-        while chunk := s.recv(65536):
-            out += chunk
-    except (ConnectionResetError, TimeoutError):
-        pass
-    return out
+from tests.support.serve import alone, connect, parse_sse, post, read_all, running  # noqa: E402
 
 
 def test_idle_and_half_sent_requests_are_timed_out(tiny_export):
@@ -166,7 +145,7 @@ def test_event_buffer_bounds_what_waits_for_the_client():
 
 
 def _cli(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     return subprocess.Popen([sys.executable, "-m", "gpt2edge.cli", "serve", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
 

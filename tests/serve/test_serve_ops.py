@@ -16,8 +16,6 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed: pip ins
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
 parser = pytest.importorskip("prometheus_client.parser", reason="prometheus-client is not installed (serve extra)")
 
-from test_serve import GREEDY, PROMPTS, alone, parse_sse, post, running  # noqa: E402
-
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.runtime.decoding.row_penalties import RowPenalties  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
@@ -25,6 +23,7 @@ from gpt2edge.serve.api.app import create_app  # noqa: E402
 from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
 from gpt2edge.serve.scheduling.continuous import ContinuousScheduler  # noqa: E402
 from gpt2edge.serve.scheduling.jobs import Sampling  # noqa: E402
+from tests.support.serve import GREEDY, PROMPTS, alone, parse_sse, post, running  # noqa: E402
 
 
 @pytest.fixture(scope="module")

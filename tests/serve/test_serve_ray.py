@@ -20,7 +20,7 @@ from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.hosting.ray_app import APP_NAME, app_builder, build_application  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "ray_serve.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray_serve.yaml"
 
 
 def free_port() -> int:

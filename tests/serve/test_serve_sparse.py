@@ -14,8 +14,6 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'gpt2edge[serve]'")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
 
-from test_serve import GREEDY, PROMPTS, alone, joined, post, stream_one  # noqa: E402
-
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.runtime.model.slots import SlotLM, slot_refusal  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
@@ -23,6 +21,7 @@ from gpt2edge.serve.api.app import create_app  # noqa: E402
 from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
 from gpt2edge.serve.scheduling.continuous import ContinuousScheduler, make_scheduler  # noqa: E402
 from gpt2edge.serve.scheduling.scheduler import Scheduler  # noqa: E402
+from tests.support.serve import GREEDY, PROMPTS, alone, joined, post, stream_one  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["tiny_export", "tiny_export_shared"])

@@ -17,10 +17,9 @@ pytest.importorskip("llguidance", reason="the structured extra is not installed:
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
 jsonschema = pytest.importorskip("jsonschema")
 
-from test_serve import GREEDY, alone, joined, post, running, stream_one  # noqa: E402
-
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.runtime.constraints import Constraint, cache_info  # noqa: E402
+from tests.support.serve import GREEDY, alone, joined, post, running, stream_one  # noqa: E402
 
 SCHEMA = {
     "type": "object",

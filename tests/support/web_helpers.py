@@ -12,7 +12,7 @@ import threading
 import urllib.parse
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WEB = REPO / "web"
 CHROMIUM = Path("/usr/bin/chromium")
 

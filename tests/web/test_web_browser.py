@@ -16,10 +16,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from web_helpers import CHROMIUM, WEB, StaticServer, job_url, run_browser
 
 from gpt2edge.convert import convert_folder
 from gpt2edge.runtime import Generator
+from tests.support.web_helpers import CHROMIUM, WEB, StaticServer, job_url, run_browser
 
 # skipped only outside CI: under CI (CI=true, as .ci/run runs) a missing browser fails the tests instead
 pytestmark = pytest.mark.skipif(

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from web_helpers import CHROMIUM, REPO, WEB, StaticServer, job_url, run_browser
 
 from gpt2edge.runtime.constraints import Constraint, compile_constraint
 from gpt2edge.runtime.constraints.engine import JSON_OPTIONS
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
+from tests.support.web_helpers import CHROMIUM, REPO, WEB, StaticServer, job_url, run_browser
 
 CI = bool(os.environ.get("CI"))
 needs_node = pytest.mark.skipif(

@@ -12,7 +12,6 @@ from pathlib import Path
 import onnx
 import pytest
 from click.testing import CliRunner
-from web_helpers import WEB
 
 import gpt2edge.convert.web as web
 from gpt2edge.cli import main
@@ -20,6 +19,7 @@ from gpt2edge.convert import convert_folder
 from gpt2edge.errors import ConvertError
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.model.folder import ModelFolder
+from tests.support.web_helpers import WEB
 
 needs_npm = pytest.mark.skipif(not os.environ.get("CI") and not (WEB / "node_modules" / "onnxruntime-web").is_dir(),
                                reason="web/node_modules missing (bash scripts/setup.sh runs npm ci)")  # fmt: skip

@@ -12,7 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from web_helpers import WEB
+
+from tests.support.web_helpers import WEB
 
 needs_node = pytest.mark.skipif(
     not os.environ.get("CI") and shutil.which("node") is None, reason="node is not installed"

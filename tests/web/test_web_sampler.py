@@ -11,10 +11,10 @@ import subprocess
 
 import numpy as np
 import pytest
-from web_helpers import WEB
 
 from gpt2edge.runtime.decoding.processors import apply_processors
 from gpt2edge.runtime.decoding.sampling import SamplingParams, next_tokens, sample_row, warp_row
+from tests.support.web_helpers import WEB
 
 # skipped only outside CI (CI=true, as .ci/run runs): there a missing node fails instead
 pytestmark = pytest.mark.skipif(
