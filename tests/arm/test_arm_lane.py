@@ -1,6 +1,6 @@
 """On the aarch64 lane only (scripts/test-aarch64.sh sets GPT2EDGE_LANE_CPU to the QEMU CPU it emulates): the real
 platform facts of each emulated CPU, the target `native` picks, the refusal of one it cannot run, the SME guard,
-and a folder made for i8mm running on a CPU without it. Skipped elsewhere (tests/test_cpu_facts.py fakes the
+and a folder made for i8mm running on a CPU without it. Skipped elsewhere (tests/arm/test_cpu_facts.py fakes the
 same facts on any CPU)."""
 
 from __future__ import annotations

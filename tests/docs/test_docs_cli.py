@@ -271,7 +271,7 @@ def test_the_parser_reads_command_lines_as_a_shell_would():
 
 
 def test_a_drifted_doc_fails(tmp_path, monkeypatch):
-    import docs_markdown
+    from tests.support import docs_markdown
 
     page = tmp_path / "docs" / "x.md"
     page.parent.mkdir()

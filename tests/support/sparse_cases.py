@@ -1,6 +1,6 @@
-"""What tests/test_sparse_head.py (the graph's certified step) and tests/test_sparse_native.py (the native one)
-share: the certificate's cases, on which both checks must take the same decisions, and a parent's head table cut
-into small groups, so that most groups are left out of a step."""
+"""What tests/runtime/test_sparse_head.py (the graph's certified step) and tests/runtime/test_sparse_native.py
+(the native one) share: the certificate's cases, on which both checks must take the same decisions, and a
+parent's head table cut into small groups, so that most groups are left out of a step."""
 
 from __future__ import annotations
 
