@@ -10,7 +10,7 @@ bash scripts/setup.sh --gpu
 . .venv/bin/activate
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 python -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())"
-python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_runtime.py -k "cuda" -rs
+python -m pytest -q -p no:cacheprovider tests/runtime/test_cuda.py tests/runtime/test_runtime.py -k "cuda" -rs
 gpt2edge random-checkpoint "$out/ckpt" --size small --force
 gpt2edge export -m "$out/ckpt" "$out/fp32" --force
 gpt2edge quantize "$out/fp32" -o "$out/fp16" --mode fp16 --force

@@ -25,7 +25,7 @@ else
     pip_q -e '.[export,cluster,dev,genai,structured]'
 fi
 
-# the browser target (`convert --format web`, tests/test_web_*.py): the JS runtime's npm packages, pinned by
+# the browser target (`convert --format web`, tests/web/): the JS runtime's npm packages, pinned by
 # web/package-lock.json, and Debian's chromium for the headless tests (never a browser that a tool downloads)
 if command -v npm >/dev/null 2>&1; then
     lock=web/node_modules/.package-lock.json

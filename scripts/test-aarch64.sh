@@ -147,7 +147,7 @@ PYTHONPATH=$REPO nice -n 10 "$HOSTPY" scripts/aarch64_parity.py make "$SRC/lane-
 PYTHONPATH=$REPO "$HOSTPY" scripts/arm_int4_repro.py --save "$SRC/lane-parity/int4_repro_x86.npz"
 
 # 7. per emulated CPU: the torch-free tests, the SME and int4 reproductions, and the parity check
-TESTS="tests/test_cpu_facts.py tests/test_arm_lane.py tests/test_trim_columns.py"
+TESTS="tests/arm/test_cpu_facts.py tests/arm/test_arm_lane.py tests/runtime/test_trim_columns.py"
 failed=0
 for cpu in $CPUS; do
     say "=== QEMU_CPU=$cpu"

@@ -87,7 +87,7 @@ gpt2edge convert int8 -o web --format web
 import sys
 from pathlib import Path
 repo, folder = Path(sys.argv[1]), Path(sys.argv[2])
-sys.path.insert(0, str(repo / "tests"))  # the browser driver (web_helpers: a static server, browser.mjs)
+sys.path.insert(0, str(repo / "tests" / "support"))  # the browser driver (web_helpers: a static server, browser.mjs)
 from web_helpers import StaticServer, job_url, run_browser  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
 prompt = "import os\n"

@@ -87,7 +87,7 @@ def peaked_checkpoint(src, out):
 
 @pytest.fixture(scope="session")
 def sparse_grid(tiny_checkpoint, tmp_path_factory) -> dict:
-    """(kv cache, precision) -> (parent folder, sparse folder) of sparse-head tests (tests/test_sparse_*.py):
+    """(kv cache, precision) -> (parent folder, sparse folder) of sparse-head tests (tests/runtime/test_sparse_*.py):
     both cache kinds at fp32 / int8 / int4, on a peaked model (random tables give flat logits nothing certifies)."""
     from gpt2edge.export import export_model
     from gpt2edge.quantize.handler import make_recipe, quantize_model

@@ -4,7 +4,7 @@ manifest, gpt2edge's JavaScript runtime (web/src), the page (web/index.html) and
 copied from the npm packages that web/package-lock.json pins (no CDN at run time: the folder works offline on
 any static file server).
 
-What the browser runs (onnxruntime-web 1.30 WASM, checked in headless Chromium by tests/test_web_browser.py):
+What the browser runs (onnxruntime-web 1.30 WASM, checked in headless Chromium by tests/web/test_web_browser.py):
 fp32, int8 and int4 graphs of both KV-cache kinds: GroupQueryAttention (--kv-cache shared), MatMulNBits (4 and
 8 bits), GatherBlockQuantized (the quantized embedding lookup), FastGelu and LayerNormalization all have WASM
 kernels. MatMulNBits is slow there, so it is rewritten (dequantize_matmulnbits below). fp16 graphs are refused

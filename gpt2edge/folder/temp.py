@@ -23,7 +23,8 @@ from pathlib import Path
 _TEMP_RE = re.compile(r"^\..*\.(tmp|old|del)-([0-9a-f]{8})-(\d+)-(\d+)-[0-9a-f]+$")
 
 
-def _host_tag() -> str:
+def host_tag() -> str:
+    """This host's tag in a temp folder's name (a stale folder is cleaned only by the host that made it)."""
     return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 
 
@@ -39,14 +40,14 @@ def _start_token(pid: int) -> str:
 def make_temp(parent: Path, name: str, kind: str) -> Path:
     """A new folder .NAME.KIND-HOST-PID-START-RANDOM in `parent` (mkdir: never an existing one)."""
     pid = os.getpid()
-    path = parent / f".{name[:100]}.{kind}-{_host_tag()}-{pid}-{_start_token(pid)}-{secrets.token_hex(4)}"
+    path = parent / f".{name[:100]}.{kind}-{host_tag()}-{pid}-{_start_token(pid)}-{secrets.token_hex(4)}"
     path.mkdir(mode=0o700)
     return path
 
 
 def _owner_alive(host: str, pid: int, token: str) -> bool:
     """Whether the process that made a temp folder may still run; unknown (another host) counts as alive."""
-    if host != _host_tag():
+    if host != host_tag():
         return True
     try:
         os.kill(pid, 0)

@@ -102,7 +102,7 @@ def to_fp16(model: onnx.ModelProto, base_dir: Path | None = None) -> tuple[onnx.
     to it as an empty stand-in of the same name, after shape inference ran on the real descriptions; the
     converter's choice (float16 or not) is then carried back to the real description, whose bytes the returned
     bytes_of rounds when the model is written. (A Cast the converter puts after an initializer takes its
-    value_info from shape inference's, not the stand-in's: tests/test_scale_export.py compares the graphs.)
+    value_info from shape inference's, not the stand-in's: tests/folders/test_scale_export.py compares the graphs.)
     Inline tensors are converted by the converter itself. Returns (the float16 model, its bytes_of)."""
     from onnx.shape_inference import infer_shapes
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16

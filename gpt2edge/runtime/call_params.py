@@ -16,7 +16,7 @@ from gpt2edge.runtime.model.tokenizer import check_unicode
 # strings, seed), never from generation_config.json or an override
 RESOLVED = ("eos_token_id", "stop", "seed")
 # the request's knobs: generation_config.json keys and Generator call overrides, one-to-one onto SamplingParams
-# (derived from the record, so a new field is a knob everywhere at once; tests/test_request_record.py checks the
+# (derived from the record, so a new field is a knob everywhere at once; tests/runtime/test_request_record.py checks the
 # CLI, the server and the browser runtime against it)
 CONFIG_KEYS = tuple(f.name for f in fields(SamplingParams) if f.name not in RESOLVED)
 # knobs that act only when sampling: giving one turns sampling on unless do_sample is given

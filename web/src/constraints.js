@@ -3,7 +3,7 @@
 // package.json; copied into a web folder as vendor/xgrammar/xgrammar.js).
 //
 // What each kind compiles to, configured as the Python engine (llguidance) is, so that both give the same
-// allowed tokens (tests/test_web_constraints.py compares their masks token by token):
+// allowed tokens (tests/web/test_web_constraints.py compares their masks token by token):
 //   json_schema, json_object: xgrammar's JSON Schema converter (JSON_OPTIONS: compact, no whitespace between
 //     tokens, "," and ":" as the separators, as llguidance's whitespace_flexible=false; not strict: what the
 //     schema does not forbid is allowed, as JSON Schema says and llguidance does), its EBNF patched where it
@@ -163,7 +163,7 @@ const JSON_RULES = [
 ];
 
 /** xgrammar's EBNF for a JSON Schema with JSON_RULES applied (another xgrammar that spells a rule otherwise
- * keeps its own: tests/test_web_constraints.py's mask comparison shows it). */
+ * keeps its own: tests/web/test_web_constraints.py's mask comparison shows it). */
 export function llguidanceJSON(ebnf) {
   for (const [from, to] of JSON_RULES) ebnf = ebnf.replaceAll(from, to);
   return ebnf;

@@ -1,4 +1,4 @@
-// The JS constraint engine's masks for tests/test_web_constraints.py: for each case, compile the constraint
+// The JS constraint engine's masks for tests/web/test_web_constraints.py: for each case, compile the constraint
 // (src/constraints.js on xgrammar), walk the token ids of its prefix, and write the allowed ids before each one
 // and after the last (end tokens as the runtime allows them).
 //   node test/masks.mjs IN.json OUT.json

@@ -1,4 +1,4 @@
-// Run the JS sampler on shared test vectors (written by tests/test_web_sampler.py from the NumPy sampler):
+// Run the JS sampler on shared test vectors (written by tests/web/test_web_sampler.py from the NumPy sampler):
 //   node test/sampler_vectors.mjs IN.json OUT.json
 // Each case: {row, params, seen, seed, draws}; the output per case: the kept ids and their probabilities after
 // the repetition penalty and the warpers, the greedy id, and `draws` tokens drawn with one generator; with

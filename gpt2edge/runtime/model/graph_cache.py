@@ -7,7 +7,7 @@ what it optimized (SessionOptions.optimized_model_filepath, its weights as exter
 memory-map: session.optimized_model_external_initializers_file_name) under the user's cache directory
 (gpt2edge.manifest.verified.cache_root()/graphs/), never in the model folder: the folder may be on read-only
 media and stays exactly what `export` wrote. Later sessions load that graph at ORT_DISABLE_ALL: the same nodes and
-kernels as the session that optimized it, so the same values (tests/test_graph_cache.py).
+kernels as the session that optimized it, so the same values (tests/runtime/test_graph_cache.py).
 
 An entry is used only when its record matches this start: the source graph files' sha256, size and mtime (a
 changed folder), the ONNX Runtime version, this CPU (model name and feature flags, /proc/cpuinfo) and the session

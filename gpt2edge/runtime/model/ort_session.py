@@ -151,7 +151,7 @@ def create_session(
     two sessions, whose spinning threads would otherwise take the cores the other one runs on).
     lean=True: memory over speed, for one-off runs such as the quality report (lean_options; `precision`, the
     weights' as the manifest says, decides whether prepacking may go; a one-file graph's weights mapped from the
-    file, mapped_source); the same graph, values equal up to the GEMMs' rounding (tests/test_scale_memory.py).
+    file, mapped_source); the same graph, values equal up to the GEMMs' rounding (tests/folders/test_scale_memory.py).
     kleidiai=False: the folder's recipe keeps ONNX Runtime's KleidiAI kernels off (ModelFolder.kleidiai, kleidiai_off).
     cache: the folder's entry in the optimized-graph cache (gpt2edge.runtime.model.graph_cache): a CPU session
     of an .onnx graph loads the graph optimized by an earlier start, or saves the one it optimizes.

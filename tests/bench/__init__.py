@@ -1,0 +1,1 @@
+"""gpt2edge.bench: bench, sweep, probes."""

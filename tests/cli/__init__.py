@@ -1,0 +1,1 @@
+"""gpt2edge.cli: every command's options, errors and terminal behaviour."""

@@ -1,0 +1,1 @@
+"""docs/ and README.md: links, command lines against the live CLI, the how-tos' Python blocks."""
