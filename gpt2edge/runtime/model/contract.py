@@ -4,9 +4,9 @@
 The kinds: OrtGraph / OrtLM (runtime/model/lm.py), StaticGraph / StaticLM (static_lm.py), SparseGraph / SparseLM
 and ApproxGraph / ApproxLM (runtime/sparse_head); SlotLM (slots.py) and SoloRows (solo_rows.py) are Rows. A kind
 that lacks a capability says so with a member (slot_refusal, supports_prefix_cache, supports_row_state, batch),
-so callers read that member instead of probing the kind (tests/test_layout.py refuses isinstance on the kinds and
+so callers read that member instead of probing the kind (tests/house/test_layout.py refuses isinstance on the kinds and
 getattr with a default outside the one factory that opens a folder, gpt2edge.runtime.open_model;
-tests/test_contract.py checks each kind against its Protocol).
+tests/runtime/test_contract.py checks each kind against its Protocol).
 """
 
 from __future__ import annotations
