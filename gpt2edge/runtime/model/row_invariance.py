@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpt2edge.runtime.decoding.generate import left_pad, position_ids_from_mask
+from gpt2edge.runtime.model.positions import left_pad, position_ids_from_mask
 
 ALIGNS = (8, 16)  # left-pad multiples tried, smallest first (a newcomer waits up to align - 1 steps for its turn)
 PROBE_LEN = 21  # probe prompt tokens (not a multiple of the lane widths: their tails are exercised too)
