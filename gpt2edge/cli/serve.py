@@ -17,7 +17,7 @@ from gpt2edge.cli.common import (
     main,
     verify_mode,
 )
-from gpt2edge.serve.hosting.config import SCHEDULERS
+from gpt2edge.serve.config import SCHEDULERS
 
 
 def _host(ctx, param, value: str) -> str:

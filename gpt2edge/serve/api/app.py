@@ -29,7 +29,7 @@ from gpt2edge.serve.api.http import error_response
 from gpt2edge.serve.api.metrics import Metrics
 from gpt2edge.serve.api.ops import router as ops_router
 from gpt2edge.serve.api.protocol import ApiError
-from gpt2edge.serve.hosting.config import ServeConfig
+from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("gpt2edge.serve")

@@ -8,7 +8,7 @@ from typing import Any
 from gpt2edge.serve.api.constraint_fields import constraint_from
 from gpt2edge.serve.api.protocol import ApiError, CompletionRequest
 from gpt2edge.serve.api.sampling_fields import sampling_from
-from gpt2edge.serve.hosting.config import MAX_LOGPROBS, MAX_STOP, ServeConfig
+from gpt2edge.serve.config import MAX_LOGPROBS, MAX_STOP, ServeConfig
 from gpt2edge.serve.scheduling.jobs import Sampling
 from gpt2edge.serve.scheduling.model_limits import ModelLimits
 

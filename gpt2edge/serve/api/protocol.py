@@ -7,7 +7,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gpt2edge.serve.hosting.config import MAX_STOP
+from gpt2edge.serve.config import MAX_STOP
 
 M = TypeVar("M", bound="BaseModel")
 

@@ -12,7 +12,7 @@ import logging
 from gpt2edge.errors import ServeError
 from gpt2edge.memory import SHARE, available_bytes, fmt_bytes
 from gpt2edge.runtime.model.memory_plan import generation_estimate
-from gpt2edge.serve.hosting.config import DEFAULT_MAX_BATCH as DEFAULT_ROWS
+from gpt2edge.serve.config import DEFAULT_MAX_BATCH as DEFAULT_ROWS
 
 log = logging.getLogger("gpt2edge.serve")
 

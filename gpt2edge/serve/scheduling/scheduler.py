@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 from gpt2edge.runtime.sparse_head.approx import ApproxGraph
-from gpt2edge.serve.hosting.config import ServeConfig
+from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import fail, run_batch, take_batch
 from gpt2edge.serve.scheduling.jobs import Job
 from gpt2edge.serve.scheduling.model_limits import ModelLimits
