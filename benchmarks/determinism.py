@@ -153,7 +153,7 @@ def kernels(folder: str, length: int = 37) -> None:
     """Which knob moves a row's numbers: one row of `length` tokens alone (B = 1, no pad) against the same row in a
     batch of B rows (the others random prompts) with `pad` slots of left padding; the largest log-prob difference
     after the prefill and after one decode step."""
-    from gpt2edge.runtime.decoding.generate import left_pad, position_ids_from_mask
+    from gpt2edge.runtime.model.positions import left_pad, position_ids_from_mask
 
     gen = Generator(folder, spin=False)
     rng, vocab = np.random.default_rng(0), min(1000, int(gen.graph.vocab_size))

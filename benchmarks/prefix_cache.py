@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from gpt2edge.memory import parse_size
+from gpt2edge.budget.memory import parse_size
 from gpt2edge.runtime import Generator
 from gpt2edge.runtime.model.prefix_cache import PrefixCache
 from gpt2edge.runtime.model.slots import SlotLM

@@ -56,8 +56,8 @@ def parse_time(path: Path) -> tuple[float, float] | None:
 
 
 def weight_bytes(size: str) -> int:
+    from gpt2edge.budget.needs import n_parameters
     from gpt2edge.export.random_checkpoint import SIZES
-    from gpt2edge.resources import n_parameters
 
     return 4 * n_parameters(SIZES[size])
 

@@ -14,8 +14,8 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from gpt2edge.budget.inputs import MAX_PROMPT_BYTES, MAX_REPORT_TEXT_BYTES, read_limited, read_prefix_text
 from gpt2edge.errors import GenerationError
-from gpt2edge.input_limits import MAX_PROMPT_BYTES, MAX_REPORT_TEXT_BYTES, read_limited, read_prefix_text
 
 STDIN = "-"
 FORMATS = ("auto", "lines", "jsonl")

@@ -3,10 +3,11 @@
     python scripts/arm_sme_repro.py          prints each run's error against the float product; exits 1 when the
                                              run without KleidiAI (what gpt2edge's sessions use on SME CPUs) is off
 
-Needs numpy and onnxruntime only (the graph's protobuf is written here by hand, so no onnx package). On a CPU
-with SME, ONNX Runtime 1.32 sends this op to KleidiAI's SME2 kernels; elsewhere both runs take MLAS's own kernels
-and agree. Under QEMU 7.2's `max` CPU (SME, no SME2) the KleidiAI run was far off; `max,sme=off` and the run with
-mlas.disable_kleidiai=1 match the reference to int8 rounding.
+Needs numpy, onnxruntime and gpt2edge (the graph's protobuf is written here by hand with
+gpt2edge.onnx_io.wire's varint, so no onnx package). On a CPU with SME, ONNX Runtime 1.32 sends this op to
+KleidiAI's SME2 kernels; elsewhere both runs take MLAS's own kernels and agree. Under QEMU 7.2's `max` CPU (SME,
+no SME2) the KleidiAI run was far off; `max,sme=off` and the run with mlas.disable_kleidiai=1 match the reference
+to int8 rounding.
 """
 
 from __future__ import annotations
@@ -16,17 +17,10 @@ import sys
 import numpy as np
 import onnxruntime as ort
 
+from gpt2edge.onnx_io.wire import varint as _varint  # the package's protobuf varint (pure Python, no onnx)
+
 M_ROWS, K, N = (1, 8), 256, 256
 TOLERANCE = 0.05  # relative error a per-tensor uint8 x per-column int8 product stays well under
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def _field(num: int, value: bytes | int | str) -> bytes:

@@ -53,6 +53,37 @@ def prefill_flops(dims: dict[str, Any], batch: int, seq: int) -> float:
     return batch * (L * (seq * per_token + attention) + 2 * C * dims["vocab_size"])
 
 
+def _timed_runs(work: Workload, cfg: BenchConfig, log) -> tuple[list, list, list, list, list]:
+    """A warm-up, then cfg.repeat timed runs: prefill ms per run, decode and sampler ms per step, tokens/s per
+    run, and each run's median decode step (the best run is the one a shared host disturbed least)."""
+    prefill, decode, sampler, tps, run_decode_medians = [], [], [], [], []
+    for i in progress(range(cfg.repeat + 1), "bench", "run", log):
+        state = work.run(cfg.prompt_len, cfg.new_tokens)
+        if i == 0:
+            continue  # warm-up: first-run allocations and kernel selection
+        prefill.append(state.prefill_ms)
+        decode += state.decode_ms
+        run_decode_medians.append(float(np.median(state.decode_ms)))
+        sampler += state.sampler_ms
+        total_s = (sum(state.decode_ms) + sum(state.sampler_ms)) / 1e3
+        tps.append(cfg.batch * len(state.decode_ms) / total_s)
+    return prefill, decode, sampler, tps, run_decode_medians
+
+
+def _bytes_per_step(work: Workload, cfg: BenchConfig) -> tuple[int, int]:
+    """(weight bytes, weight + KV cache bytes) one decode step reads."""
+    dims = work.folder.dims
+    itemsize = np.dtype(work.folder.kv_dtype).itemsize
+    weights = work.folder.manifest["graph"].get("decode_weight_bytes") or work.folder.model_bytes()
+    mean_context = cfg.prompt_len + (cfg.new_tokens - 1) / 2
+    # shared: the fused attention reads the valid slots once, in place; concat: Concat reads the past and
+    # attention reads the present, twice the mean context
+    kv_read = (1 if work.lm.shared else 2) * kv_bytes_per_step(dims, cfg.batch, mean_context, itemsize)
+    if work.folder.graph.static is not None:  # every slot of every row: the blend reads past, writes present,
+        kv_read = 3 * kv_bytes_per_step(dims, work.lm.batch, work.lm.n_positions, itemsize)  # attention reads it
+    return weights, weights + kv_read
+
+
 def run_bench(model_dir: Path, cfg: BenchConfig, log=None) -> dict[str, Any]:
     """Measure the model and the machine in one run; returns the bench record (see `bench_rows`)."""
     log = log or sys.stderr  # looked up per call: a caller (or a test runner) may have replaced sys.stderr
@@ -71,28 +102,8 @@ def run_bench(model_dir: Path, cfg: BenchConfig, log=None) -> dict[str, Any]:
     # Not between timed runs: NumPy's BLAS threads keep spinning after the matmul probe and slow the prefill.
     probes = [(read_bandwidth_gbs(threads), matmul_gflops())]
 
-    prefill, decode, sampler, tps = [], [], [], []
-    run_decode_medians = []  # per timed run: the best run is the one a shared host disturbed least
-    for i in progress(range(cfg.repeat + 1), "bench", "run", log):
-        state = work.run(cfg.prompt_len, cfg.new_tokens)
-        if i == 0:
-            continue  # warm-up: first-run allocations and kernel selection
-        prefill.append(state.prefill_ms)
-        decode += state.decode_ms
-        run_decode_medians.append(float(np.median(state.decode_ms)))
-        sampler += state.sampler_ms
-        total_s = (sum(state.decode_ms) + sum(state.sampler_ms)) / 1e3
-        tps.append(cfg.batch * len(state.decode_ms) / total_s)
-
-    itemsize = np.dtype(work.folder.kv_dtype).itemsize
-    weights = work.folder.manifest["graph"].get("decode_weight_bytes") or work.folder.model_bytes()
-    mean_context = cfg.prompt_len + (cfg.new_tokens - 1) / 2
-    # shared: the fused attention reads the valid slots once, in place; concat: Concat reads the past and
-    # attention reads the present, twice the mean context
-    kv_read = (1 if work.lm.shared else 2) * kv_bytes_per_step(dims, cfg.batch, mean_context, itemsize)
-    if work.folder.graph.static is not None:  # every slot of every row: the blend reads past, writes present,
-        kv_read = 3 * kv_bytes_per_step(dims, work.lm.batch, work.lm.n_positions, itemsize)  # attention reads it
-    step_bytes = weights + kv_read
+    prefill, decode, sampler, tps, run_decode_medians = _timed_runs(work, cfg, log)
+    weights, step_bytes = _bytes_per_step(work, cfg)
     probes.append((read_bandwidth_gbs(threads), matmul_gflops()))
     bandwidths, gflops_runs = zip(*probes)
     decode_median = float(np.median(decode))

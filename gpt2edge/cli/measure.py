@@ -317,8 +317,8 @@ _SCORE_HINT = "score a part of it (e.g. head -c 10M FILE | gpt2edge score MODEL_
 @friendly_errors
 def score(model_dir, text_file, max_length, stride, method, device, threads, no_verify, full_verify, as_json) -> None:
     """Log-likelihood and perplexity of the text in TEXT_FILE (default: stdin) under MODEL_DIR."""
+    from gpt2edge.budget.inputs import MAX_SCORE_BYTES, read_limited
     from gpt2edge.errors import GenerationError
-    from gpt2edge.input_limits import MAX_SCORE_BYTES, read_limited
     from gpt2edge.runtime.model.folder import ModelFolder
     from gpt2edge.runtime.score import Scorer
 

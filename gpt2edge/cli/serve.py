@@ -17,7 +17,7 @@ from gpt2edge.cli.common import (
     main,
     verify_mode,
 )
-from gpt2edge.serve.hosting.config import SCHEDULERS
+from gpt2edge.serve.config import SCHEDULERS
 
 
 def _host(ctx, param, value: str) -> str:
@@ -28,14 +28,14 @@ def _host(ctx, param, value: str) -> str:
 
 
 class _Bytes(click.ParamType):
-    """A size: bytes, or with a unit (512M, 2G; gpt2edge.memory.parse_size)."""
+    """A size: bytes, or with a unit (512M, 2G; gpt2edge.budget.memory.parse_size)."""
 
     name = "bytes"
 
     def convert(self, value, param, ctx) -> int:
         if isinstance(value, int):
             return value
-        from gpt2edge.memory import parse_size
+        from gpt2edge.budget.memory import parse_size
 
         try:
             return parse_size(str(value))

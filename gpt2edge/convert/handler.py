@@ -17,6 +17,7 @@ from gpt2edge.convert.web import check_web, write_web
 from gpt2edge.errors import ConvertError
 from gpt2edge.folder.derive import Derivation
 from gpt2edge.manifest.records import Manifest
+from gpt2edge.runtime.call_params import folder_defaults
 from gpt2edge.runtime.model.folder import ModelFolder
 
 FORMATS = ("ort", "genai", "web")
@@ -120,7 +121,7 @@ def _write_genai(folder: ModelFolder, tmp: Path) -> tuple[dict[str, Any], dict[s
         logits = LOGITS
     files = save_model(model, tmp / graph["file"])
     del model
-    generation = folder.generation_defaults()
+    generation = folder_defaults(folder)  # its sampling options checked as the runtime checks them
     config = genai_config(folder.manifest, generation, logits, files[0])
     (tmp / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     tok = tokenizer_config(folder.tokenizer_path, generation, folder.dims["n_positions"])

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import gpt2edge
 from gpt2edge.api_args import path_arg, text_arg
+from gpt2edge.budget.needs import checkpoint_weight_bytes, export_need
 from gpt2edge.errors import ExportError
 from gpt2edge.export.checkpoint import load_checkpoint, resolve_source
 from gpt2edge.export.options import (
@@ -35,7 +36,6 @@ from gpt2edge.manifest.records import ATTENTION_OPS, HEAD_MODES, KV_CACHE_MODES,
 from gpt2edge.onnx_io.stats import EXTERNAL_DATA_THRESHOLD, decode_weight_bytes
 from gpt2edge.progress import Progress
 from gpt2edge.report_text import record_text
-from gpt2edge.resources import checkpoint_weight_bytes, export_need
 
 if TYPE_CHECKING:
     from gpt2edge.export.validate import Check

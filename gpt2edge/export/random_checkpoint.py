@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpt2edge.api_args import path_arg
+from gpt2edge.budget.needs import check_need, checkpoint_need, n_parameters
 from gpt2edge.errors import CheckpointError
 from gpt2edge.export.tokenizer_source import check_tokenizer_folder
 from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder.checks import is_checkpoint_folder
-from gpt2edge.resources import check_need, checkpoint_need, n_parameters
 from gpt2edge.sample_text import SAMPLE_TEXT
 
 EOS = "<|endoftext|>"

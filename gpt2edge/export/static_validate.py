@@ -15,7 +15,7 @@ import numpy as np
 
 from gpt2edge.export.options import DEFAULT_ATOL, StaticShape
 from gpt2edge.export.validate import Check, hf_step
-from gpt2edge.runtime.decoding.generate import position_ids_from_mask
+from gpt2edge.runtime.model.positions import position_ids_from_mask
 from gpt2edge.runtime.model.static_lm import StaticLM
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from gpt2edge.errors import ValidationError
 from gpt2edge.export.options import DEFAULT_ATOL
 from gpt2edge.manifest.records import KEEP_INPUT
-from gpt2edge.runtime.decoding.generate import position_ids_from_mask  # the runtime's own rule, so both agree
+from gpt2edge.runtime.model.positions import position_ids_from_mask  # the runtime's own rule, so both agree
 
 if TYPE_CHECKING:
     import torch

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from gpt2edge.api_args import path_arg
+from gpt2edge.budget.needs import Need, check_need
 from gpt2edge.folder import atomic_output_dir
 from gpt2edge.folder.checks import check_output_dir, check_sources
 from gpt2edge.manifest import load_manifest, resolve_inside, verify_files, write_manifest
 from gpt2edge.manifest.records import DERIVED_KINDS, Manifest
-from gpt2edge.resources import Need, check_need
 
 
 class Output:

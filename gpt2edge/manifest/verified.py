@@ -26,7 +26,7 @@ from gpt2edge.manifest.external_data import check_external_data
 from gpt2edge.manifest.records import MANIFEST_NAME, Manifest
 
 VERIFY_MODES = ("fast", "full")  # plus False: presence only (ModelFolder.open)
-_MAX_RECORD_BYTES = 1 << 20  # a record is a few kB; a larger file there is not one of ours
+MAX_RECORD_BYTES = 1 << 20  # a record is a few kB; a larger file there is not one of ours
 # file times come from a coarse clock (a few ms a tick; FAT: 2 s): a file written this recently could be
 # rewritten within the same tick with the same size and times, so it gets no record yet ("racy git")
 SETTLE_NS = 2_000_000_000
@@ -55,7 +55,7 @@ def verify_folder(folder: Path, manifest: Manifest, mode: str = "fast") -> str:
         return "hashed"
     path = _record_path(folder, manifest_sha)
     expected = {"version": __version__, "manifest_sha256": manifest_sha, "files": before}
-    if mode == "fast" and _read_record(path) == expected:
+    if mode == "fast" and read_record(path) == expected:
         check_external_data(folder, manifest)  # as the full check does: the graph loads no file but those
         return "record"
     verify_files(folder, manifest)
@@ -94,11 +94,14 @@ def _record_path(folder: Path, manifest_sha: str) -> Path:
     return cache_root() / "verified" / f"{key}.json"
 
 
-def _read_record(path: Path) -> Any:
-    """The record as JSON, or None when it is missing, unreadable, oversized or not JSON (then: a full check)."""
+def read_record(path: Path, bad: Any = None) -> Any:
+    """A cache record's JSON (this folder check's, the graph cache's), reading at most MAX_RECORD_BYTES: None when
+    the file (or its directory) is absent, `bad` when it is present but unreadable, oversized or not JSON."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(_MAX_RECORD_BYTES + 1)
-        return json.loads(raw) if len(raw) <= _MAX_RECORD_BYTES else None
-    except (OSError, ValueError, RecursionError):
+            raw = f.read(MAX_RECORD_BYTES + 1)
+        return json.loads(raw) if len(raw) <= MAX_RECORD_BYTES else bad
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except (OSError, ValueError, RecursionError):
+        return bad

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt2edge.api_args import path_arg, text_arg
+from gpt2edge.budget.needs import quantize_need
 from gpt2edge.errors import QuantizeError
 from gpt2edge.extras import require_extra
 from gpt2edge.folder.derive import Derivation
@@ -32,7 +33,6 @@ from gpt2edge.quantize.recipe import (  # noqa: F401  (re-exported: the CLI and 
     make_recipe,
 )
 from gpt2edge.report_text import BUILT_IN, record_text
-from gpt2edge.resources import quantize_need
 
 
 def quantize_model(

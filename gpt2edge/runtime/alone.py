@@ -1,5 +1,5 @@
 """Generator(deterministic=True): a list of prompts runs one prompt at a time, so each result is bit for bit the
-one that prompt gets alone (a left-padded batch is not: runtime/model/solo_rows.py says which kernels differ)."""
+one that prompt gets alone (a left-padded batch is not: runtime/decoding/solo_rows.py says which kernels differ)."""
 
 from __future__ import annotations
 

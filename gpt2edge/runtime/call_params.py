@@ -1,5 +1,6 @@
-"""How a Generator call's sampling arguments are merged with generation_config.json: the keys that map onto
-SamplingParams, the knobs that turn sampling on, and stop / banned strings as checked tuples."""
+"""How a Generator call's sampling arguments are merged with generation_config.json: the folder's defaults
+checked as SamplingParams, the keys that map onto them, the knobs that turn sampling on, and stop / banned strings
+as checked tuples."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from dataclasses import fields
 from typing import Any
 
 from gpt2edge.api_args import strings_arg
-from gpt2edge.errors import GenerationError
+from gpt2edge.errors import GenerationError, ModelFolderError
+from gpt2edge.manifest.records import GENERATION_CONFIG
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
+from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.tokenizer import check_unicode
 
 # SamplingParams' fields the Generator resolves from its own arguments (eos_token_id from ignore_eos, stop from
@@ -21,6 +24,19 @@ RESOLVED = ("eos_token_id", "stop", "seed")
 CONFIG_KEYS = tuple(f.name for f in fields(SamplingParams) if f.name not in RESOLVED)
 # knobs that act only when sampling: giving one turns sampling on unless do_sample is given
 SAMPLING_KNOBS = ("temperature", "top_k", "top_p", "min_p", "typical_p")
+
+
+def folder_defaults(folder: ModelFolder) -> dict[str, Any]:
+    """The folder's generation_config.json (its token ids checked by the folder), every sampling option in it
+    checked as SamplingParams and named by the file: a value the user never typed must not surface later as a
+    traceback or as an error about a flag they did not pass."""
+    data = folder.generation_defaults()
+    knobs = {k: data[k] for k in CONFIG_KEYS if data.get(k) is not None}
+    try:
+        SamplingParams(**knobs)
+    except GenerationError as e:
+        raise ModelFolderError(f"{folder.path / GENERATION_CONFIG}: {e} Fix the file or export the model again.") from e
+    return data
 
 
 def as_tuple(v) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ import numpy as np
 from gpt2edge.api_args import path_arg, text_arg
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime.alone import generate_alone
-from gpt2edge.runtime.call_params import as_tuple, merged_values, stop_strings
+from gpt2edge.runtime.call_params import as_tuple, folder_defaults, merged_values, stop_strings
 from gpt2edge.runtime.conversation import ContextOverflow, Conversation
 from gpt2edge.runtime.decoding.beam import (
     BeamState,
@@ -102,7 +102,7 @@ class Generator:
                 self.folder, draft, prompt_lookup, draft_tokens, device, threads, verify, io_binding
             )
         self.prefix_cache = generator_prefix_cache(self.graph, prefix_cache_bytes)
-        self.defaults = self.folder.generation_defaults()
+        self.defaults = folder_defaults(self.folder)
         eos = as_tuple(self.defaults.get("eos_token_id"))
         self.eos_token_id = eos
         self.bos_token_id = self.defaults.get("bos_token_id", eos[0] if eos else 0)

@@ -5,6 +5,6 @@ Importing this package is cheap: the app lives in gpt2edge.serve.api.app / gpt2e
 imported when used.
 """
 
-from gpt2edge.serve.hosting.config import ServeConfig
+from gpt2edge.serve.config import ServeConfig
 
 __all__ = ["ServeConfig"]

@@ -90,8 +90,8 @@ def test_the_native_sparse_step_is_built_and_vectorised_with_neon():
 def test_memory_and_caches_read_from_what_arm_linux_exposes():
     """The memory checks read MemAvailable, the cgroup limits and the page size (16 KiB on a Pi 5's kernel) the
     same way on ARM; the caches sysfs shows under qemu-user are the host's, which bench does not report."""
-    from gpt2edge.memory import available_bytes
-    from gpt2edge.resources import available_memory
+    from gpt2edge.budget.memory import available_bytes
+    from gpt2edge.budget.needs import available_memory
 
     assert available_memory() > 0 and available_bytes() > 0
     assert os.sysconf("SC_PAGE_SIZE") in (4096, 16384, 65536)

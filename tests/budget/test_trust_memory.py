@@ -12,7 +12,7 @@ import threading
 import pytest
 from click.testing import CliRunner
 
-from gpt2edge import memory
+from gpt2edge.budget import memory
 from gpt2edge.cli import main
 from gpt2edge.errors import GenerationError
 from gpt2edge.runtime import Generator
@@ -256,9 +256,10 @@ def test_the_fifo_writer_ends_cleanly_whether_the_reader_reads_or_never_comes(tm
 @pytest.mark.parametrize("source", ["/dev/zero", "fifo", "big"])
 @pytest.mark.parametrize("command", ["score", "generate -f"])
 def test_huge_or_endless_text_is_refused_after_a_bounded_read(tiny_export, tmp_path, monkeypatch, source, command):
-    from gpt2edge import input_limits, prompt_input
+    from gpt2edge import prompt_input
+    from gpt2edge.budget import inputs
 
-    monkeypatch.setattr(input_limits, "MAX_SCORE_BYTES", 1 << 20)
+    monkeypatch.setattr(inputs, "MAX_SCORE_BYTES", 1 << 20)
     monkeypatch.setattr(prompt_input, "MAX_PROMPT_BYTES", 1 << 20)
     fifo = contextlib.nullcontext()
     if source == "fifo":
@@ -281,9 +282,10 @@ def test_huge_or_endless_text_is_refused_after_a_bounded_read(tiny_export, tmp_p
 
 
 def test_score_and_prompt_stdin_are_bounded(tiny_export, monkeypatch):
-    from gpt2edge import input_limits, prompt_input
+    from gpt2edge import prompt_input
+    from gpt2edge.budget import inputs
 
-    monkeypatch.setattr(input_limits, "MAX_SCORE_BYTES", 1000)
+    monkeypatch.setattr(inputs, "MAX_SCORE_BYTES", 1000)
     monkeypatch.setattr(prompt_input, "MAX_PROMPT_BYTES", 1000)
     big = "word " * 1000
     for args in (["score", str(tiny_export)], ["generate", str(tiny_export), "-p", "-"]):

@@ -85,7 +85,7 @@ def library_choices() -> dict[tuple[str, str], tuple]:
     from gpt2edge.runtime.decoding.beam import EARLY_STOPPING_NAMES
     from gpt2edge.runtime.model.ort_session import PROVIDERS
     from gpt2edge.runtime.score import METHODS
-    from gpt2edge.serve.hosting.config import SCHEDULERS
+    from gpt2edge.serve.config import SCHEDULERS
     from gpt2edge.sparse.modes import SPARSE_MODES
 
     devices = {(c, "device"): tuple(PROVIDERS) for c in ("generate", "bench", "score", "serve")}

@@ -55,7 +55,7 @@ def test_a_manifest_head_unlike_the_graph_is_one_line_in_score_and_generate(requ
 
 
 def test_an_absurd_n_positions_refuses_a_session_before_allocating(tiny_export, tmp_path):
-    """(The estimate is trust's gpt2edge.memory; this checks the class end to end: CLI line and API error.)"""
+    """(The estimate is trust's gpt2edge.budget.memory; this checks the class end to end: CLI line and API error.)"""
     folder = edited_copy(tiny_export, tmp_path / "m", lambda m: m["dims"].update(n_positions=10**15))
     r = CliRunner().invoke(main, ["generate", str(folder), "-i"], input="hello\n")
     one_error_line(r, "A session would hold", "n_positions (1000000000000000)")
@@ -64,7 +64,7 @@ def test_an_absurd_n_positions_refuses_a_session_before_allocating(tiny_export, 
 
 
 def test_a_session_larger_than_free_memory_is_refused(tiny_export, monkeypatch):
-    from gpt2edge import memory
+    from gpt2edge.budget import memory
 
     monkeypatch.setattr(memory, "available_bytes", lambda: 1000)  # a machine with 1 kB free
     with pytest.raises(GenerationError, match="A session would hold"):
@@ -226,7 +226,7 @@ def tiny_tmpfs(tmp_path):
 
 
 def test_a_really_full_disk_is_named_by_random_checkpoint_and_convert(tiny_export, tiny_tmpfs):
-    # random-checkpoint estimates its disk need first (gpt2edge.resources), so a disk already full is refused
+    # random-checkpoint estimates its disk need first (gpt2edge.budget.needs), so a disk already full is refused
     # before a byte is written; either way the one line names the disk
     r = cli("random-checkpoint", tiny_tmpfs / "ck")
     one_error_line(r)

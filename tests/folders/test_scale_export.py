@@ -217,9 +217,9 @@ def test_export_shares_the_checkpoints_weights(hf_model):
 
 
 def test_too_little_memory_is_refused_before_work(tiny_checkpoint, tiny_export, tmp_path, monkeypatch):
-    from gpt2edge import resources
+    from gpt2edge.budget import needs
 
-    monkeypatch.setattr(resources, "available_memory", lambda: 1)
+    monkeypatch.setattr(needs, "available_memory", lambda: 1)
     out = tmp_path / "e"
     res = CliRunner().invoke(main, ["export", "-m", str(tiny_checkpoint), str(out)])
     assert res.exit_code == 1 and not out.exists()
@@ -235,9 +235,9 @@ def test_too_little_memory_is_refused_before_work(tiny_checkpoint, tiny_export, 
 
 
 def test_too_little_disk_is_refused_before_work(tiny_checkpoint, tmp_path, monkeypatch):
-    from gpt2edge import resources
+    from gpt2edge.budget import needs
 
-    monkeypatch.setattr(resources, "free_disk", lambda path: 1000)
+    monkeypatch.setattr(needs, "free_disk", lambda path: 1000)
     out = tmp_path / "e"
     res = CliRunner().invoke(main, ["export", "-m", str(tiny_checkpoint), str(out)])
     assert res.exit_code == 1 and not out.exists() and "free on the disk" in res.output, res.output
@@ -249,12 +249,12 @@ def test_every_writer_refuses_a_short_machine_before_work(tiny_checkpoint, tiny_
                                                           short, command):  # fmt: skip
     """export, random-checkpoint and quantize (each mode) check memory and disk first: one line naming the
     shortage, nothing written, not even a temporary folder."""
-    from gpt2edge import resources
+    from gpt2edge.budget import needs
 
     if short == "memory":
-        monkeypatch.setattr(resources, "available_memory", lambda: 1)
+        monkeypatch.setattr(needs, "available_memory", lambda: 1)
     else:
-        monkeypatch.setattr(resources, "free_disk", lambda path: 1000)
+        monkeypatch.setattr(needs, "free_disk", lambda path: 1000)
     out = tmp_path / "out"
     args = {
         "export": ["export", "-m", str(tiny_checkpoint), str(out)],
@@ -267,8 +267,8 @@ def test_every_writer_refuses_a_short_machine_before_work(tiny_checkpoint, tiny_
 
 
 def test_estimates_grow_linearly_and_match_the_shapes():
+    from gpt2edge.budget.needs import export_need, n_parameters, quantize_need
     from gpt2edge.export.random_checkpoint import SIZES
-    from gpt2edge.resources import export_need, n_parameters, quantize_need
 
     params = {k: n_parameters(SIZES[k]) for k in ("small", "medium", "large", "xl")}
     assert [round(p / 1e6) for p in params.values()] == [124, 355, 774, 1558]  # the published GPT-2 sizes

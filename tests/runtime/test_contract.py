@@ -12,10 +12,10 @@ import pytest
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.export.static import StaticShape
+from gpt2edge.runtime.decoding.solo_rows import SoloRows
 from gpt2edge.runtime.model.contract import LM, Graph, Rows
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.slots import SlotLM
-from gpt2edge.runtime.model.solo_rows import SoloRows
 from gpt2edge.runtime.open_model import load_graph
 
 TEXT = "def read(path):\n    with open(path) as f:\n        return f.read()\n" * 6

@@ -16,9 +16,9 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed: pip ins
 
 from click.testing import CliRunner  # noqa: E402
 
+from gpt2edge.budget.memory import ENV  # noqa: E402
 from gpt2edge.cli import main  # noqa: E402
 from gpt2edge.errors import GenerationError, ServeError  # noqa: E402
-from gpt2edge.memory import ENV  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.runtime.model.prefix_cache import BLOCK, PrefixCache  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402

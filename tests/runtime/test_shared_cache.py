@@ -16,9 +16,9 @@ from gpt2edge.export.validate import hf_step, position_ids_from_mask
 from gpt2edge.manifest import load_manifest
 from gpt2edge.quantize import make_recipe, quantize_model
 from gpt2edge.runtime import Generator
-from gpt2edge.runtime.decoding.generate import left_pad
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.positions import left_pad
 
 ATOL = 1e-4
 

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'gpt2edge[serve]'")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed (dev extra)")
 
+from gpt2edge.budget.memory import SHARE  # noqa: E402
 from gpt2edge.errors import ServeError  # noqa: E402
-from gpt2edge.memory import SHARE  # noqa: E402
 from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.runtime.decoding.row_decoder import RowGroup  # noqa: E402
 from gpt2edge.runtime.model.memory_plan import generation_estimate  # noqa: E402

@@ -10,8 +10,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from gpt2edge.errors import GenerationError
-from gpt2edge.runtime.decoding.generate import GenerationState, Step, decode_n_tokens, left_pad, length_error, prefill
+from gpt2edge.runtime.decoding.generate import GenerationState, Step, decode_n_tokens, length_error, prefill
 from gpt2edge.runtime.model.contract import LM
+from gpt2edge.runtime.model.positions import left_pad
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 
 

@@ -7,7 +7,7 @@ count each row's own tokens, and a row that has finished keeps being fed a pad t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +20,7 @@ from gpt2edge.runtime.decoding.row_decoder import RowDecoder, RowGroup
 from gpt2edge.runtime.decoding.sampling import SamplingParams
 from gpt2edge.runtime.model.columns import forward_columns, lm_columns
 from gpt2edge.runtime.model.contract import LM
+from gpt2edge.runtime.model.positions import left_pad, position_ids_from_mask
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 
 if TYPE_CHECKING:
@@ -54,23 +55,6 @@ class GenerationState:
     constraint: CompiledConstraint | None = None  # structured output: a matcher per row (runtime/constraints)
     prefix: PrefixCache | None = None  # the Generator's prefix cache (runtime/decoding/prefix_fill.py)
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied
-
-
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, total: int) -> tuple[np.ndarray, np.ndarray]:
-    """(B, S) ids and a (B, total) mask whose first S columns mark real prompt tokens (pads on the left)."""
-    S = max(len(p) for p in prompts)
-    ids = np.full((len(prompts), S), pad_id, dtype=np.int64)
-    mask = np.zeros((len(prompts), total), dtype=np.int64)
-    for b, p in enumerate(prompts):
-        ids[b, S - len(p) :] = p
-        mask[b, S - len(p) : S] = 1
-    return ids, mask
-
-
-def position_ids_from_mask(mask: np.ndarray, seq: int) -> np.ndarray:
-    """Left padding: each row counts its own tokens, pads get 0. Returns the last `seq` columns."""
-    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    return pos[:, -seq:].astype(np.int64)
 
 
 def prefill(lm: LM, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:

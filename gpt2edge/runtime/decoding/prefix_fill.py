@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpt2edge.budget.memory import Estimate, check_fits
 from gpt2edge.errors import GenerationError
-from gpt2edge.memory import Estimate, check_fits
 from gpt2edge.runtime.model.columns import forward_columns
 from gpt2edge.runtime.model.contract import LM, Graph
 from gpt2edge.runtime.model.prefix_cache import PrefixCache

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -13,12 +13,11 @@ import numpy as np
 
 from gpt2edge.api_args import path_arg
 from gpt2edge.cpu_facts import target_note
-from gpt2edge.errors import ArgumentTypeError, GenerationError, ModelFolderError
+from gpt2edge.errors import ArgumentTypeError, ModelFolderError
 from gpt2edge.manifest import check_present, load_manifest, resolve_inside
 from gpt2edge.manifest.external_data import check_external_data
 from gpt2edge.manifest.records import ATTENTION_OPS, GENERATION_CONFIG, GraphInfo, Manifest, ModelDims
 from gpt2edge.manifest.verified import verify_folder
-from gpt2edge.runtime.decoding.sampling_params import SamplingParams
 from gpt2edge.runtime.model.graph_cache import GraphCache
 
 _DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
@@ -128,7 +127,9 @@ class ModelFolder:
         return recipe.get("kleidiai") is not False
 
     def generation_defaults(self) -> dict[str, Any]:
-        """generation_config.json of the source checkpoint when the manifest lists it (so it was verified), else {}."""
+        """generation_config.json of the source checkpoint when the manifest lists it (so it was verified), else {};
+        its token ids are checked against the vocabulary here, its sampling options where they become
+        SamplingParams (gpt2edge.runtime.call_params.folder_defaults)."""
         if GENERATION_CONFIG not in self.info.files:
             return {}
         p = resolve_inside(self.path, GENERATION_CONFIG)
@@ -138,7 +139,7 @@ class ModelFolder:
             raise ModelFolderError(f"{p} cannot be read as JSON ({e}); re-export the model.") from e
         if not isinstance(data, dict):
             raise ModelFolderError(f"{p} is not a JSON object; re-export the model.")
-        _check_generation_defaults(data, p, self.dims.vocab_size)
+        _check_token_ids(data, p, self.dims.vocab_size)
         return data
 
     def model_bytes(self) -> int:
@@ -165,12 +166,11 @@ class ModelFolder:
 
 
 _TOKEN_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id")
-_NOT_DEFAULTS = ("eos_token_id", "stop", "seed")  # SamplingParams fields a generation config does not set
 
 
-def _check_generation_defaults(data: dict, path: Path, vocab_size: int) -> None:
-    """Token ids in range and every generation option valid, named by this file: a value the user never typed
-    must not surface later as a traceback or as an error about a flag they did not pass."""
+def _check_token_ids(data: dict, path: Path, vocab_size: int) -> None:
+    """Token ids in range, named by this file: a value the user never typed must not surface later as a
+    traceback (an ONNX Runtime Gather past the vocabulary)."""
     for key in _TOKEN_KEYS:
         v = data.get(key)
         ids = v if isinstance(v, list) and key == "eos_token_id" else [v]
@@ -180,15 +180,6 @@ def _check_generation_defaults(data: dict, path: Path, vocab_size: int) -> None:
                 f"{path}: {key} must be a token id from 0 to {vocab_size - 1}{listed}, got {v!r}; fix the file or "
                 "export the model again."
             )
-    knobs = {
-        f.name: data[f.name]
-        for f in fields(SamplingParams)
-        if f.name not in _NOT_DEFAULTS and data.get(f.name) is not None
-    }
-    try:
-        SamplingParams(**knobs)
-    except GenerationError as e:
-        raise ModelFolderError(f"{path}: {e} Fix the file or export the model again.") from e
 
 
 def _check_graph_format(path: Path, fmt: str) -> None:

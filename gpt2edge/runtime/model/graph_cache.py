@@ -39,7 +39,6 @@ DATA_NAME = "model.onnx.data"
 RECORD_NAME = "record.json"
 # ONNX Runtime maps external initializers from the file; a small one (a bias, a shape) stays inside the graph
 EXTERNAL_MIN_BYTES = 1024
-_MAX_RECORD_BYTES = 1 << 20
 # the saved weights are a second copy of the folder's graph: leave this much disk free besides
 DISK_MARGIN = 1 << 30
 
@@ -97,7 +96,7 @@ class GraphCache:
     def usable(self) -> Path | None:
         """The cached graph's path when its record matches this start and its files are intact; None when there is
         none yet (silently) or it cannot be used (saying why, in one line)."""
-        record = _read_json(self.dir / RECORD_NAME)
+        record = verified.read_record(self.dir / RECORD_NAME, bad={})  # {}: present but unreadable, said and rebuilt
         if record is None:
             return None
         try:
@@ -183,14 +182,3 @@ class GraphCache:
             return False
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_RECORD_BYTES + 1)
-        return json.loads(raw) if len(raw) <= _MAX_RECORD_BYTES else {}
-    except (FileNotFoundError, NotADirectoryError):  # no entry (or no cache directory) yet
-        return None
-    except (OSError, ValueError, RecursionError):
-        return {}  # present but unreadable: said and rebuilt

@@ -1,5 +1,5 @@
 """What one generation will hold in memory, estimated from the folder's dimensions and the request before the
-KV cache is reserved (gpt2edge.memory compares it with what is available)."""
+KV cache is reserved (gpt2edge.budget.memory compares it with what is available)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gpt2edge.budget.memory import Estimate, check_fits
 from gpt2edge.errors import GenerationError
-from gpt2edge.memory import Estimate, check_fits
 from gpt2edge.runtime.model.folder import ModelFolder
 
 # bytes per (row, vocabulary entry) a decode step holds: the graph's (R, V) float32 log-probs, the sampler's

@@ -16,7 +16,7 @@ Bounds: at most max_bytes of blocks. Eviction takes the least recently used leaf
 continues; every use touches the whole path leaf first, so a parent is never older than its children and an
 inner block is not dropped under its children). Memory pressure: a block is not added, and the oldest are
 evicted instead, while it would take more than a fifth of what the machine still has available
-(gpt2edge.memory): the cache gives way, never the requests. Thread-safe (one lock): the scheduler's thread adds
+(gpt2edge.budget.memory): the cache gives way, never the requests. Thread-safe (one lock): the scheduler's thread adds
 and looks up, /metrics reads the counters.
 """
 
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from gpt2edge.memory import SHARE, available_bytes
+from gpt2edge.budget.memory import SHARE, available_bytes
 
 BLOCK = 16  # tokens per node: a match is a multiple of it
 

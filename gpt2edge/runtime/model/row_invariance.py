@@ -11,7 +11,7 @@ What moves a batched row on ONNX Runtime's CPU kernels (benchmarks/determinism.p
     depends on the shapes: invariant on some models, not on others.
 The probe runs one row alone and in batches of 2 and 5 with pads 0 and the alignment (prefill and one decode step) and
 compares every log-prob bit; a folder that passes is served batched, one that fails runs each row alone
-(gpt2edge.runtime.model.solo_rows.SoloRows). Shape-driven kernel choices are what the probe samples: the
+(gpt2edge.runtime.decoding.solo_rows.SoloRows). Shape-driven kernel choices are what the probe samples: the
 batch sizes it runs (1, 2, 5) cover the M = 1 / M >= 2 split.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpt2edge.runtime.decoding.generate import left_pad, position_ids_from_mask
+from gpt2edge.runtime.model.positions import left_pad, position_ids_from_mask
 
 ALIGNS = (8, 16)  # left-pad multiples tried, smallest first (a newcomer waits up to align - 1 steps for its turn)
 PROBE_LEN = 21  # probe prompt tokens (not a multiple of the lane widths: their tails are exercised too)

@@ -28,9 +28,9 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError
 from gpt2edge.manifest import KEEP_INPUT
-from gpt2edge.runtime.decoding.generate import left_pad, position_ids_from_mask
 from gpt2edge.runtime.model.lm import OrtGraph
 from gpt2edge.runtime.model.ort_session import run_errors
+from gpt2edge.runtime.model.positions import left_pad, position_ids_from_mask
 from gpt2edge.runtime.model.slot_prefix import prefill_rows
 
 if TYPE_CHECKING:  # annotations only

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gpt2edge.serve.api.http import error_response
 from gpt2edge.serve.api.protocol import ApiError
-from gpt2edge.serve.hosting.config import ServeConfig
+from gpt2edge.serve.config import ServeConfig
 
 access_log = logging.getLogger("gpt2edge.access")
 _ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")

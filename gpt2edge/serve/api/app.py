@@ -26,11 +26,11 @@ from gpt2edge.serve.api.chat_template import TemplateSandbox
 from gpt2edge.serve.api.completions import ready_scheduler
 from gpt2edge.serve.api.completions import router as completions_router
 from gpt2edge.serve.api.http import error_response
+from gpt2edge.serve.api.metrics import Metrics
 from gpt2edge.serve.api.ops import router as ops_router
 from gpt2edge.serve.api.protocol import ApiError
 from gpt2edge.serve.api.slots import router as slots_router
-from gpt2edge.serve.hosting.config import ServeConfig
-from gpt2edge.serve.hosting.metrics import Metrics
+from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("gpt2edge.serve")

@@ -17,10 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpt2edge.serve.api.chat_template import ChatTemplate, TemplateSandbox
 from gpt2edge.serve.api.completions import Meta, ready_scheduler, respond
 from gpt2edge.serve.api.http import read_body
+from gpt2edge.serve.api.plan import Plan, template_output_cap
 from gpt2edge.serve.api.protocol import ApiError, CompletionRequest, SamplingFields, StreamOptions, parse_body
-from gpt2edge.serve.hosting.config import MAX_TOP_LOGPROBS, ServeConfig
+from gpt2edge.serve.config import MAX_TOP_LOGPROBS, ServeConfig
 from gpt2edge.serve.scheduling.logprobs import FLOOR, TokenEntry
-from gpt2edge.serve.scheduling.plan import Plan, template_output_cap
 
 router = APIRouter()
 _ROLES = ("system", "user", "assistant", "tool", "developer")

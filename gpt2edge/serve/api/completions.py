@@ -16,11 +16,11 @@ from fastapi.responses import JSONResponse, Response
 
 from gpt2edge.serve.api.events import EventBuffer
 from gpt2edge.serve.api.http import SSEResponse, read_body, shutting_down, wait_disconnect
+from gpt2edge.serve.api.plan import Plan, plan_request
 from gpt2edge.serve.api.protocol import ApiError, chunk_body, completion_body, parse_request, sse, usage_body
-from gpt2edge.serve.hosting.config import MAX_LOGPROBS, ServeConfig
+from gpt2edge.serve.config import MAX_LOGPROBS, ServeConfig
 from gpt2edge.serve.scheduling.jobs import Failure, Job, Piece
 from gpt2edge.serve.scheduling.logprobs import TokenEntry, logprobs_body
-from gpt2edge.serve.scheduling.plan import Plan, plan_request
 from gpt2edge.serve.scheduling.scheduler import QueueFull, Scheduler, ServerClosed
 
 RETRY_AFTER_S = 1  # a 429's Retry-After: a decode step frees rows within well under a second

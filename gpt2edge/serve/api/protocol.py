@@ -7,7 +7,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gpt2edge.serve.hosting.config import MAX_STOP
+from gpt2edge.serve.config import MAX_STOP
 
 M = TypeVar("M", bound="BaseModel")
 
@@ -64,7 +64,7 @@ class SamplingFields(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = Field(None, max_length=64)
     ignore_eos: bool = False
-    # structured output, at most one (serve/scheduling/constraint_fields.py): OpenAI's, llama-server's, vLLM's
+    # structured output, at most one (serve/api/constraint_fields.py): OpenAI's, llama-server's, vLLM's
     response_format: dict[str, Any] | None = None
     json_schema: dict[str, Any] | None = None
     grammar: str | None = None

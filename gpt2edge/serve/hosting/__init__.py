@@ -1,1 +1,1 @@
-"""Hosting the app: its config, uvicorn (one machine) or Ray Serve (a cluster), connection limits, metrics."""
+"""Hosting the app: uvicorn (one machine) or Ray Serve (a cluster), and the connection limits."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpt2edge.errors import ServeError
-from gpt2edge.serve.hosting.config import DEFAULT_MAX_BATCH, ServeConfig
+from gpt2edge.serve.config import DEFAULT_MAX_BATCH, ServeConfig
 
 APP_NAME = "gpt2edge"
 DEPLOYMENT_NAME = "gpt2edge"

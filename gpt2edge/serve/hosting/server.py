@@ -22,7 +22,7 @@ from fastapi import FastAPI
 
 from gpt2edge.errors import ServeError
 from gpt2edge.serve.api.app import abort, create_app, drain
-from gpt2edge.serve.hosting.config import ServeConfig
+from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.hosting.limits import limited_protocol
 from gpt2edge.serve.scheduling.continuous import load_scheduler
 

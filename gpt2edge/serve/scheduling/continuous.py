@@ -30,7 +30,7 @@ import numpy as np
 from gpt2edge.errors import Gpt2EdgeError, ServeError
 from gpt2edge.runtime.decoding.logprobs import LogprobRecorder
 from gpt2edge.runtime.decoding.row_decoder import RowGroup
-from gpt2edge.serve.hosting.config import ServeConfig
+from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import advance, fail
 from gpt2edge.serve.scheduling.grouping import cache_rows, take_aligned
 from gpt2edge.serve.scheduling.jobs import Job, Row

@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from gpt2edge.runtime.decoding.solo_rows import SoloRows
 from gpt2edge.runtime.model.contract import Graph, Rows
 from gpt2edge.runtime.model.row_invariance import row_alignment
 from gpt2edge.runtime.model.slots import SlotLM
-from gpt2edge.runtime.model.solo_rows import SoloRows
 from gpt2edge.serve.scheduling.jobs import Job
 
 log = logging.getLogger("gpt2edge.serve")

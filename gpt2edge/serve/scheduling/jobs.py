@@ -117,7 +117,7 @@ class Job:
     tokenizer: TextTokenizer
     logprobs: int | None = None  # OpenAI's logprobs: report each token's log-prob and its top N
     prompt_ids: Sequence[Sequence[int]] | None = None  # each prompt's token ids, when already encoded
-    metrics: Any = None  # serve.hosting.metrics.Metrics: told of every token (time to first token, inter-token latency)
+    metrics: Any = None  # serve.api.metrics.Metrics: told of every token (time to first token, inter-token latency)
     request_id: str = ""  # the HTTP request's id, for log lines about this job
     constraint: Any = None  # the sampling's constraint compiled for this model (runtime CompiledConstraint)
     id: int = field(default_factory=lambda: next(_ids))

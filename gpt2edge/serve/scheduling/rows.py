@@ -2,17 +2,17 @@
 
 The continuous scheduler's cache rows grow on demand up to the model's whole context, so a server is sized for
 that worst case before it serves anything: every row's KV cache over n_positions (two copies on a concat graph)
-and its step's log-probs, against the memory this process can still take (gpt2edge.memory).
+and its step's log-probs, against the memory this process can still take (gpt2edge.budget.memory).
 """
 
 from __future__ import annotations
 
 import logging
 
+from gpt2edge.budget.memory import SHARE, available_bytes, fmt_bytes
 from gpt2edge.errors import ServeError
-from gpt2edge.memory import SHARE, available_bytes, fmt_bytes
 from gpt2edge.runtime.model.memory_plan import generation_estimate
-from gpt2edge.serve.hosting.config import DEFAULT_MAX_BATCH as DEFAULT_ROWS
+from gpt2edge.serve.config import DEFAULT_MAX_BATCH as DEFAULT_ROWS
 
 log = logging.getLogger("gpt2edge.serve")
 

@@ -13,10 +13,10 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from gpt2edge.serve.hosting.config import ServeConfig
+from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.scheduling.batch import fail, run_batch, take_batch
 from gpt2edge.serve.scheduling.jobs import Job
-from gpt2edge.serve.scheduling.plan import ModelLimits
+from gpt2edge.serve.scheduling.model_limits import ModelLimits
 from gpt2edge.serve.scheduling.rows import serving_rows
 
 FILL_SHARE = 0.05  # a new batch may wait this share of the previous batch's decode time for its rows

@@ -1,4 +1,5 @@
-"""The server's limits and names, checked once at start-up (no FastAPI, no Ray: the CLI imports this cheaply)."""
+"""The server's limits and names, checked once at start-up (no FastAPI, no Ray: the CLI imports this cheaply).
+Every serve room reads it (api, scheduling, hosting), so it sits beneath them and imports none of them."""
 
 from __future__ import annotations
 

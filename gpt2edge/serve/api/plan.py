@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gpt2edge.serve.api.constraint_fields import constraint_from
 from gpt2edge.serve.api.protocol import ApiError, CompletionRequest
-from gpt2edge.serve.hosting.config import MAX_LOGPROBS, MAX_STOP, ServeConfig
-from gpt2edge.serve.scheduling.constraint_fields import constraint_from
+from gpt2edge.serve.api.sampling_fields import sampling_from
+from gpt2edge.serve.config import MAX_LOGPROBS, MAX_STOP, ServeConfig
 from gpt2edge.serve.scheduling.jobs import Sampling
-from gpt2edge.serve.scheduling.sampling_fields import sampling_from
+from gpt2edge.serve.scheduling.model_limits import ModelLimits
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -91,20 +91,6 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if any(not s for s in strings):
         raise ApiError(400, "stop strings must not be empty.", "stop", "invalid_value")
     return tuple(strings)
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What a request is checked against beside the server's limits: the model's positions, the rows one
-    request may take (a static graph's batch) and its vocabulary. encode gives an empty prompt its start token."""
-
-    n_positions: int
-    max_rows: int
-    vocab_size: int
-    encode: Callable[[str], list[int]]
-    rows_why: str = ""  # why max_rows is below --max-batch: " (its static graph's batch)", memory
-    max_token_bytes: int | None = None  # the most bytes of text one token covers (None: not known)
-    compile: Callable[[Any], Any] | None = None  # a runtime Constraint -> compiled for this model (engine cache)
 
 
 def prompt_byte_cap(limits: ModelLimits) -> int | None:
