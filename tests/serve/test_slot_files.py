@@ -20,10 +20,9 @@ from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.runtime.model.prefix_cache import BLOCK, PrefixCache  # noqa: E402
 from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.api.app import create_app  # noqa: E402
-from gpt2edge.serve.api.protocol import ApiError  # noqa: E402
 from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
 from gpt2edge.serve.scheduling.continuous import ContinuousScheduler  # noqa: E402
-from gpt2edge.serve.scheduling.slot_files import SlotFiles  # noqa: E402
+from gpt2edge.serve.scheduling.slot_files import SlotFiles, SlotRefusal  # noqa: E402
 from gpt2edge.serve.scheduling.slot_records import SlotBusy, SlotRecords  # noqa: E402
 
 PROMPT = "You are a careful assistant. Answer briefly, in plain words, and never repeat the question back. The river"
@@ -159,7 +158,7 @@ def test_a_restore_larger_than_the_prefix_cache_is_refused_before_reading(slot_s
     url, root, gen = slot_server
     small = PrefixCache.for_graph(gen.graph, 1)  # room for no block at all
     files = SlotFiles(SlotRecords(2), small, gen.lm, str(root / "slots"))
-    with pytest.raises(ApiError, match="cached positions, more than the 0 that fit here") as e:
+    with pytest.raises(SlotRefusal, match="cached positions, more than the 0 that fit here") as e:
         files.action(0, "restore", "chat.bin")
     assert e.value.status == 400 and small.snapshot()["blocks"] == 0 and files.records.snapshot()[0] == (False, [])
 

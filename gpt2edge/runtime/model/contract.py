@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from gpt2edge.runtime.decoding.sampling_params import SamplingParams
     from gpt2edge.runtime.model.columns import Columns
     from gpt2edge.runtime.model.folder import ModelFolder
     from gpt2edge.runtime.model.lm import SlotView
@@ -123,8 +122,9 @@ class LM(Protocol):
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray
     ) -> np.ndarray: ...
 
-    def configure_head(self, params: SamplingParams, logprobs: bool = False) -> dict[str, Any] | None:
-        """A generate loop's call after start(): a sparse head serves the steps this call allows, an approximate one
+    def configure_head(self, params: Any, logprobs: bool = False) -> dict[str, Any] | None:
+        """A generate loop's call after start(), given its decoding SamplingParams (untyped here: model/ names
+        nothing of decoding/, not even for a type): a sparse head serves the steps this call allows, an approximate one
         refuses recorded log-probs and returns its description for the result; the others return None."""
 
     def use_rows(self, rows: int) -> None: ...

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from gpt2edge.serve.api.completions import ready_scheduler
 from gpt2edge.serve.api.http import read_body
 from gpt2edge.serve.api.protocol import ApiError
-from gpt2edge.serve.scheduling.slot_files import SlotFiles
+from gpt2edge.serve.scheduling.slot_files import SlotFiles, SlotRefusal
 
 router = APIRouter()
 MAX_SLOT_BODY = 4096  # {"filename": NAME}: a name is at most 128 characters
@@ -53,5 +53,7 @@ async def slot_action(request: Request, id_slot: str, action: str = "") -> dict[
             raise ApiError(400, "The body must be a JSON object such as {\"filename\": \"chat.bin\"}.", None,
                            "invalid_json")  # fmt: skip
         filename = obj.get("filename")
-    # file I/O and a sha256 over up to one row's cache: off the event loop
-    return await anyio.to_thread.run_sync(files.action, int(id_slot), action, filename)
+    try:  # file I/O and a sha256 over up to one row's cache: off the event loop
+        return await anyio.to_thread.run_sync(files.action, int(id_slot), action, filename)
+    except SlotRefusal as e:
+        raise ApiError(e.status, e.message, e.param, e.code, e.type) from None

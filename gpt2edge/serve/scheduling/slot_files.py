@@ -11,7 +11,7 @@ that saved it. Erase forgets the slot's tokens (their blocks stay in the shared 
 
 Filenames come from clients: a bare name (NAME: letters, digits, `._+-`, not starting with a dot, at most 128
 characters) inside DIR, never a path; a link or anything but a plain file is refused; messages name the file,
-never DIR. Every refusal is an ApiError (4xx, one line) and leaves the slot and the cache as they were.
+never DIR. Every refusal is a SlotRefusal (the api's 4xx, one line) and leaves the slot and the cache as they were.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import numpy as np
 from gpt2edge.errors import ServeError, SessionFileError
 from gpt2edge.runtime.model.prefix_cache import BLOCK, PrefixCache
 from gpt2edge.runtime.session_file import model_facts, read_session, save_session
-from gpt2edge.serve.api.protocol import ApiError
 from gpt2edge.serve.scheduling.slot_records import SlotBusy, SlotRecords
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
@@ -46,6 +45,18 @@ def slot_directory(path: str) -> Path:
     if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
         raise ServeError(f"--slot-save-path {path} is not a folder this server can write to.")
     return where
+
+
+class SlotRefusal(Exception):
+    """A slot action refused: the api answers it with this HTTP status and OpenAI error fields (scheduling
+    imports nothing of the api)."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
 
 class SlotFiles:
@@ -74,15 +85,15 @@ class SlotFiles:
     def action(self, slot: int, action: str, filename: Any) -> dict[str, Any]:
         """Run one POST /slots/{slot}?action=... (blocking: call it off the event loop)."""
         if action not in ACTIONS:
-            raise ApiError(400, f"Unknown slot action {action!r}; use one of {', '.join(ACTIONS)}.", "action",
+            raise SlotRefusal(400, f"Unknown slot action {action!r}; use one of {', '.join(ACTIONS)}.", "action",
                            "invalid_value")  # fmt: skip
         if not 0 <= slot < self.records.n:
-            raise ApiError(400, f"Slot {slot} does not exist; this server has slots 0..{self.records.n - 1}.",
+            raise SlotRefusal(400, f"Slot {slot} does not exist; this server has slots 0..{self.records.n - 1}.",
                            "id_slot", "invalid_value")  # fmt: skip
         if action == "erase":
             return {"id_slot": slot, "n_erased": self._busy(slot, lambda: self.records.replace(slot, []))}
         if self.directory is None:
-            raise ApiError(501, "This server does not save or restore slots; start it with --slot-save-path DIR.",
+            raise SlotRefusal(501, "This server does not save or restore slots; start it with --slot-save-path DIR.",
                            None, "not_supported", "not_supported_error")  # fmt: skip
         path = self._path(filename)
         t0 = time.perf_counter()
@@ -121,7 +132,7 @@ class SlotFiles:
     def _path(self, filename: Any) -> Path:
         """The file's path inside the slot folder: a bare NAME, never a path."""
         if not isinstance(filename, str) or not NAME.fullmatch(filename):
-            raise ApiError(400, "Invalid filename: give a bare name (letters, digits and ._+-, not starting with a "
+            raise SlotRefusal(400, "Invalid filename: give a bare name (letters, digits and ._+-, not starting with a "
                            "dot, at most 128 characters) in the body as {\"filename\": NAME}.", "filename",
                            "invalid_value")  # fmt: skip
         return self.directory / filename
@@ -133,23 +144,23 @@ class SlotFiles:
         except FileNotFoundError:
             if missing_ok:
                 return
-            raise ApiError(404, f"No slot file named {path.name!r} in the slot save path.", "filename",
+            raise SlotRefusal(404, f"No slot file named {path.name!r} in the slot save path.", "filename",
                            "not_found") from None  # fmt: skip
         except OSError as e:
-            raise ApiError(400, f"Cannot read the slot file {path.name!r}: {e.strerror}.", "filename") from None
+            raise SlotRefusal(400, f"Cannot read the slot file {path.name!r}: {e.strerror}.", "filename") from None
         if not stat.S_ISREG(mode):
-            raise ApiError(400, f"{path.name!r} in the slot save path is not a plain file (a link or a folder); "
+            raise SlotRefusal(400, f"{path.name!r} in the slot save path is not a plain file (a link or a folder); "
                            "choose another name.", "filename", "invalid_value")  # fmt: skip
 
     def _busy(self, slot: int, read):
         try:
             return read()
         except SlotBusy:
-            raise ApiError(409, f"Slot {slot} is processing a request; retry when it has finished (GET /slots).",
+            raise SlotRefusal(409, f"Slot {slot} is processing a request; retry when it has finished (GET /slots).",
                            "id_slot", "slot_busy") from None  # fmt: skip
 
-    def _refused(self, e: SessionFileError, path: Path, status: int) -> ApiError:
+    def _refused(self, e: SessionFileError, path: Path, status: int) -> SlotRefusal:
         """The session file's one line, naming the file as the client did, not where the server keeps it."""
         message = str(e).replace(str(path), repr(path.name)).replace(str(self.directory), "the slot save path")
         kind = "server_error" if status >= 500 else "invalid_request_error"
-        return ApiError(status, message, "filename", "invalid_slot_file", kind)
+        return SlotRefusal(status, message, "filename", "invalid_slot_file", kind)
