@@ -405,7 +405,7 @@ def test_parity_refuses_folders_of_another_model_before_any_work(tiny_export, tm
     def no_session(*a, **k):
         raise AssertionError("a session was built before the manifests were compared")
 
-    monkeypatch.setattr(quality, "OrtLM", no_session)
+    monkeypatch.setattr(quality, "load_graph", no_session)
     for a, b in [(tiny_export, other), (other, tiny_export)]:
         r = CliRunner().invoke(main, ["parity", str(a), str(b)])
         assert r.exit_code == 1, r.output
