@@ -5,7 +5,7 @@
   2. cluster scores h . centroid_k (B, K) and the best M of them (TopK);
   3. the M clusters' rows gathered from the cluster-ordered table (K, S, C): float32 rows, or the parent's
      MatMulNBits codes (a byte each), zero points and scales; per-block dots against a block-diagonal (C, kb)
-     activation (int8 x uint8 MatMulInteger at level 4: exact integers, as the kernel's), then
+     activation (MatMulInteger at level 4, u8 x u8 around a zero point: exact integers, as the kernel's), then
      logit = sum_b scale_b * (dot_b - zero_point_b * sum(h_b)): no per-element dequantization;
   4. every token's logit starts as its cluster's score (the mean logit of its cluster: the estimated tail) and
      the probed tokens' exact logits are scattered over it. A cluster with fewer than S rows is padded with
@@ -70,8 +70,9 @@ def _activation(g: _Graph, table: HeadTable, width: int) -> tuple[str, str | Non
     col = g.op("Unsqueeze", [col, ax3], "apx_col")  # (B, kb, bs, 1)
     bd = g.op("Mul", [col, g.const("apx_onehot", onehot)], "apx_bd4")  # (B, kb, bs, kb)
     bd = g.op("Reshape", [bd, g.const("apx_bd_shape", np.array([-1, cp, kb], np.int64))], "apx_bd")
-    if factor is not None:
-        bd = g.op("Cast", [bd], "apx_bd8", to=onnx.TensorProto.INT8)
+    if factor is not None:  # uint8 around a zero point of 128: MatMulInteger's u8u8 GEMM, exact on every CPU
+        bd = g.op("Add", [bd, g.const("apx_128f", np.float32(128))], "apx_bd128")
+        bd = g.op("Cast", [bd], "apx_bd8", to=onnx.TensorProto.UINT8)
     return x, bd, factor
 
 
@@ -108,7 +109,8 @@ def cluster_head(table: HeadTable, clusters: Clusters, probe: int, vocab_size: i
         codes = np.pad(table.codes, ((0, 0), (0, kb * bs - width)))[members]  # (K, S, Cp) uint8
         gc = gathered("codes", codes, [-1, probe * S, kb * bs])  # (B, M*S, Cp)
         if factor is not None:  # exact integer block dots, as the level-4 kernel's
-            dots = g.op("Cast", [g.op("MatMulInteger", [gc, bd], "apx_dots_i")], "apx_dots", to=f)
+            zp128 = g.const("apx_zp128", np.uint8(128))  # (its u8s8 one saturates on x86 without VNNI)
+            dots = g.op("Cast", [g.op("MatMulInteger", [gc, bd, "", zp128], "apx_dots_i")], "apx_dots", to=f)
         else:
             dots = g.op("MatMul", [g.op("Cast", [gc], "apx_gcf", to=f), bd], "apx_dots")  # (B, M*S, kb)
         zp = g.op("Cast", [gathered("zp", table.zero_points[members], [-1, probe * S, kb])], "apx_zpf", to=f)
