@@ -34,6 +34,11 @@ ARM_TARGETS = {
     "arm64-sve": ("asimd", "asimddp", "i8mm", "sve"),
 }
 ARM64 = ("aarch64", "arm64")
+X86 = ("x86_64", "amd64", "i386", "i686")
+# x86 flags whose int8 dot products ONNX Runtime's u8s8 GEMM uses without saturating (vpdpbusd, AMX tiles); with
+# AVX2 / AVX-512 alone it multiplies with vpmaddubsw, whose int16 pair sums saturate on 8-bit weights
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+DYNAMIC_INT8 = "com.microsoft.DynamicQuantizeMatMul"  # a recipe's layer_op with per-column 8-bit weights
 ARM32 = ("armv6l", "armv7l", "armv7", "armv8l", "arm")
 # MIDR implementer -> {part -> name}: the cores of boards, phones and servers (Arm's TRMs, Linux's cputype.h)
 MIDR_NAMES = {
@@ -147,6 +152,7 @@ class CpuFacts:
     features: tuple[str, ...] = ()
     emulated: str | None = None  # why it looks emulated (qemu-user), or None
     cores: tuple[str, ...] = field(default=())
+    int8_dot: tuple[str, ...] | None = None  # x86: the INT8_DOT_FLAGS it lists (None: no flags line to read)
 
     @property
     def arm64(self) -> bool:
@@ -155,6 +161,12 @@ class CpuFacts:
     def runs(self, target: str) -> bool:
         """Whether this CPU runs every feature an ARM target needs (False off ARM)."""
         return self.arm64 and set(ARM_TARGETS[target]) <= set(self.features)
+
+    @property
+    def u8s8_saturates(self) -> bool:
+        """An x86 CPU whose flags list no VNNI or AMX: ONNX Runtime's u8s8 GEMM saturates on 8-bit weights here
+        (False where that cannot be told: off x86, or no /proc/cpuinfo)."""
+        return self.machine.lower() in X86 and self.int8_dot is not None and not self.int8_dot
 
     def to_json(self) -> dict:
         return {"machine": self.machine, "name": self.name, "features": list(self.features), "emulated": self.emulated}
@@ -172,7 +184,9 @@ def facts(
     if machine.lower() not in ARM64 + ARM32:
         blocks = cpuinfo_blocks(text)
         name = (blocks[0].get("model name") if blocks else None) or platform.processor() or machine
-        return CpuFacts(machine, name)
+        flags = blocks[0].get("flags") if blocks else None
+        dot = None if flags is None else tuple(f for f in INT8_DOT_FLAGS if f in flags.split())
+        return CpuFacts(machine, name, int8_dot=dot)
     if hwcap is None:
         hwcap = (getauxval(AT_HWCAP), getauxval(AT_HWCAP2))
     # an x86 /proc/cpuinfo passed through by the emulator says nothing about the emulated CPU
@@ -194,11 +208,20 @@ def this_cpu() -> CpuFacts:
 
 def target_note(manifest: dict, where: str, cpu: CpuFacts | None = None) -> str | None:
     """A note for a folder quantized for an ARM target whose features this ARM CPU lacks (a Pi 5 folder on a Pi 4):
-    it runs correctly, as every recipe's ops run on any CPU, on ONNX Runtime's slower kernels; None otherwise."""
-    target = ((manifest.get("quantization") or {}).get("recipe") or {}).get("target")
+    it runs correctly, as every recipe's ops run on any CPU, on ONNX Runtime's slower kernels; for a folder whose
+    int8 layers are DynamicQuantizeMatMul (the amx and arm64 recipes, xl at avx512-vnni) on an x86 CPU without
+    VNNI: it runs, at a lower quality; None otherwise."""
+    recipe = (manifest.get("quantization") or {}).get("recipe") or {}
+    target = recipe.get("target")
+    cpu = this_cpu() if cpu is None else cpu
+    if recipe.get("layer_op") == DYNAMIC_INT8 and cpu.u8s8_saturates:
+        return (
+            f"{where}'s int8 layers are DynamicQuantizeMatMul (8-bit weights, for {target or 'another CPU'}); this CPU "
+            f"({cpu.name}) has no VNNI, where ONNX Runtime's u8s8 kernel saturates their sums: it runs, at a lower "
+            "quality (a test model: mean KL 7e-2 instead of 1e-3); quantize for this CPU with --target native."
+        )
     if target not in ARM_TARGETS:
         return None
-    cpu = this_cpu() if cpu is None else cpu
     if not cpu.arm64 or cpu.runs(target):
         return None
     missing = ", ".join(f for f in ARM_TARGETS[target] if f not in cpu.features)

@@ -142,6 +142,22 @@ def test_a_folder_for_features_this_arm_cpu_lacks_gets_a_note_and_no_refusal():
     assert cf.target_note({}, "m", pi4) is None
 
 
+def test_dynamic_int8_layers_on_an_x86_cpu_without_vnni_get_a_note():
+    # ONNX Runtime's u8s8 GEMM saturates on 8-bit weights with AVX2 / AVX-512 alone, not with VNNI or AMX
+    def x86(flags: str | None):
+        text = "processor\t: 0\nmodel name\t: Test CPU\n" + ("" if flags is None else f"flags\t\t: {flags}\n")
+        return cf.facts(machine="x86_64", cpuinfo=text)
+
+    dynamic = {"quantization": {"recipe": {"target": "amx", "layer_op": cf.DYNAMIC_INT8}}}
+    note = cf.target_note(dynamic, "m/int8", x86("sse2 avx2 fma avx512f"))
+    assert "DynamicQuantizeMatMul" in note and "Test CPU" in note and "--target native" in note and "\n" not in note
+    for flags in ("avx2 avx512f avx512_vnni", "avx2 avx_vnni", "avx2 amx_tile amx_int8", None):
+        assert cf.target_note(dynamic, "m", x86(flags)) is None, flags  # exact kernels, or nothing to tell by
+    assert cf.target_note({"quantization": {"recipe": {"target": "avx2"}}}, "m", x86("avx2")) is None
+    assert cf.target_note(dynamic, "m", arm(cpuinfo((0x41, 0xD08)), hw())) is None  # NEON's kernel: exact
+    assert not cf.facts(machine="x86_64", cpuinfo="").u8s8_saturates
+
+
 def test_the_cli_on_a_32_bit_arm_python_says_one_line_and_exits_1():
     import subprocess
     import sys
