@@ -205,6 +205,41 @@ def test_the_masked_distribution_equals_transformers_with_a_mask_processor(optio
     assert (picked == np.where(allowed, scores, -np.inf).argmax(1)).all()
 
 
+@pytest.mark.parametrize("n_allowed", [1, 3, 40, 700])
+def test_a_masked_row_is_sampled_as_its_allowed_tokens_only(n_allowed):
+    # next_tokens samples a constrained row as the short row of its allowed tokens (sampling.py): the same
+    # tokens as the masked full row, seed for seed, on a trimmed head's columns too (full ids back), with few
+    # allowed tokens (fewer than top-k's k: the path that partitioned the whole row) and many; a row of the
+    # batch whose mask allows everything is the unmasked row, draw for draw
+    from gpt2edge.runtime.model.columns import Columns
+
+    V, rng = 1200, np.random.default_rng(n_allowed)
+    kept = np.sort(rng.choice(V, 1000, replace=False))
+    scores = (rng.standard_normal((3, len(kept))) * 2).astype(np.float32)
+    allowed = np.zeros(scores.shape, dtype=bool)
+    for b in range(2):
+        allowed[b, rng.choice(len(kept), n_allowed, replace=False)] = True
+    allowed[2] = True  # allows everything
+    history = [np.zeros(2, dtype=np.int64)] * 3
+    for columns in (None, Columns.of(kept, V)):
+        for options in (dict(top_k=50, temperature=0.8), dict(top_k=0, top_p=0.9), dict(min_p=0.1, top_k=5)):
+            p = SamplingParams(max_new_tokens=8, do_sample=True, eos_token_id=(EOS,), **options)
+            for seed in range(8):
+                got = next_tokens(scores, p, history, 2, np.random.default_rng(seed), columns, allowed)
+                masked = np.where(allowed, scores, -np.inf).astype(np.float32)
+                want = next_tokens(masked, p, history, 2, np.random.default_rng(seed), columns)
+                assert (got == want).all(), (options, seed, got, want)
+                ids = np.arange(len(kept)) if columns is None else kept
+                assert all(t in set(ids[allowed[b]].tolist()) for b, t in enumerate(got))
+        picked = next_tokens(scores, SamplingParams(max_new_tokens=8, eos_token_id=(EOS,)), history, 2, None,
+                             columns, allowed)  # fmt: skip
+        best = np.where(allowed, scores, -np.inf).argmax(1)
+        assert (picked == (best if columns is None else kept[best])).all()
+    banned = np.where(allowed, -np.inf, scores).astype(np.float32)  # every allowed token banned by a processor
+    with pytest.raises(GenerationError, match="allows no token"):
+        next_tokens(banned, SamplingParams(max_new_tokens=8, eos_token_id=(EOS,)), history, 2, None, None, allowed)
+
+
 # ---- paths that refuse a constraint, or take it on a trimmed / static folder
 
 
