@@ -362,6 +362,43 @@ def test_a_catastrophic_regex_compiles_and_generates(gen):
     assert re.fullmatch("a+", r.text)
 
 
+def test_the_word_slices_leave_every_mask_as_the_engine_computes_it_without_slices(gen, tiny_export):
+    # engine.WORD_SLICES only skip trie walks (llguidance's slicer): each step's mask along seeded outputs equals
+    # the one a matcher on the same tokenizer with no slices at all computes
+    import llguidance
+    import llguidance.numpy as llg_np
+    from tokenizers import Tokenizer
+
+    from gpt2edge.runtime.constraints import engine
+
+    text = (tiny_export / "tokenizer.json").read_text()
+    n = Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)
+    bare = llguidance.LLTokenizer(text, n_vocab=n, eos_token=list(gen.eos_token_id), slices=[])
+    schema = json.dumps(SCHEMAS[1])
+    cases = [(Constraint.regex(rx), llguidance.grammar_from("regex", rx)) for rx in ("[0-9]{2}: [A-Za-z ,.]{1,60}",
+             "[a-z ]{1,40}")]  # fmt: skip
+    cases.append((Constraint.json_schema(SCHEMAS[1]),
+                  llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=engine.JSON_OPTIONS)))  # fmt: skip
+    steps = 0
+    for c, grammar in cases:
+        compiled = compile_constraint(c, gen.tokenizer, gen.graph.vocab_size, gen.eos_token_id)
+        for seed in range(3):
+            r = gen.generate("The", constraint=c, do_sample=True, seed=seed, temperature=1.5, max_new_tokens=30)
+            ours, plain = compiled.matcher(), llguidance.LLMatcher(bare, grammar, log_level=0)
+            for t in r.token_ids:
+                words = np.zeros((1, (n + 31) // 32), dtype=np.int32)
+                llg_np.fill_next_token_bitmask(plain, words, 0)
+                want = np.unpackbits(words.view(np.uint8), bitorder="little")[:n].astype(bool)
+                want[list(compiled.engine_eos)] = False  # the end token: the call's to allow (allowed())
+                assert (ours.allowed()[:n] == want).all(), (c, seed, t)
+                steps += 1
+                if t in gen.eos_token_id:
+                    break
+                ours.advance(t)
+                assert plain.consume_token(t)
+    assert steps > 60
+
+
 def test_compiled_constraints_are_cached(gen):
     from gpt2edge.runtime.constraints import compile_for
 

@@ -29,6 +29,11 @@ CACHE_SIZE = 64
 # JSON is generated compact (',' and ':' with no whitespace around them): a free whitespace run is where a
 # small model loops; a schema's own "x-guidance" options override this
 JSON_OPTIONS = {"whitespace_flexible": False}
+# llguidance's slicer: each slice's tokens are added to a mask at once, without walking their trie, where the
+# grammar allows the whole slice (docs/optimizations.md of llguidance). Its general slices are JSON strings'
+# characters; these two, before them, are words, for prose-like classes (`[A-Za-z ,.]{1,200}`: mask 0.96 ->
+# 0.05 ms on GPT-2's vocabulary; the masks are the same: tests/runtime/test_structured.py)
+WORD_SLICES = ["[A-Za-z]{1,20}", "[ A-Za-z]{1,20}"]
 _lock = threading.Lock()
 _cache: OrderedDict[tuple, CompiledConstraint] = OrderedDict()
 _counts = {"hits": 0, "misses": 0}  # cache look-ups since the process started (the server's /metrics-style stats)
@@ -67,7 +72,8 @@ def engine_tokenizer(tokenizer: TextTokenizer, eos: Sequence[int]) -> tuple[str,
     text = tokenizer._tok.to_str()
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     n_vocab = tokenizer._tok.get_vocab_size(with_added_tokens=True)
-    built = (digest, llg.LLTokenizer(text, n_vocab=n_vocab, eos_token=list(eos) or None))
+    slices = WORD_SLICES + llg.LLTokenizer.general_slices()
+    built = (digest, llg.LLTokenizer(text, n_vocab=n_vocab, eos_token=list(eos) or None, slices=slices))
     with _lock:
         _tokenizers[tokenizer] = built
     return built
