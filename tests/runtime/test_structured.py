@@ -236,8 +236,32 @@ def test_a_masked_row_is_sampled_as_its_allowed_tokens_only(n_allowed):
         best = np.where(allowed, scores, -np.inf).argmax(1)
         assert (picked == (best if columns is None else kept[best])).all()
     banned = np.where(allowed, -np.inf, scores).astype(np.float32)  # every allowed token banned by a processor
-    with pytest.raises(GenerationError, match="allows no token"):
-        next_tokens(banned, SamplingParams(max_new_tokens=8, eos_token_id=(EOS,)), history, 2, None, None, allowed)
+    for sampled in (False, True):  # greedy; sampling (a mask of 700 of 1,000 tokens: the masked row's path)
+        p = SamplingParams(max_new_tokens=8, do_sample=sampled, top_k=0, eos_token_id=(EOS,))
+        with pytest.raises(GenerationError, match="allows no token"):
+            next_tokens(banned, p, history, 2, np.random.default_rng(0), None, allowed)
+
+
+@pytest.mark.parametrize("scale", [3.0, 0.0])  # spread-out scores; then every score rounded: runs of ties
+def test_a_wide_mask_under_top_k_draws_as_the_masked_full_row(scale):
+    # with top-k and more allowed tokens than k, sampling.py samples only the allowed tokens that can reach
+    # top-k's pool (_allowed_pool), not all 45,000 of a prose-like class (without top-k, the masked row itself): at
+    # GPT-2's width, with ties at the k-th score and rows where the pool falls back, every draw equals the masked
+    # full row's
+    V, rng = 50257, np.random.default_rng(7)
+    raw = rng.standard_normal((4, V)) * (scale or 3.0) - 12
+    scores = (raw if scale else np.round(raw)).astype(np.float32)
+    allowed = rng.random((4, V)) < np.array([[0.9], [0.5], [0.05], [0.002]])
+    history = [np.zeros(2, dtype=np.int64)] * 4
+    for options in (dict(top_k=50, temperature=0.8), dict(top_k=5, min_p=0.1), dict(top_k=400, top_p=0.9),
+                    dict(top_k=0, temperature=0.8)):  # fmt: skip
+        p = SamplingParams(max_new_tokens=8, do_sample=True, eos_token_id=(EOS,), **options)
+        for seed in range(6):
+            got = next_tokens(scores, p, history, 2, np.random.default_rng(seed), None, allowed)
+            masked = np.where(allowed, scores, -np.inf).astype(np.float32)
+            want = next_tokens(masked, p, history, 2, np.random.default_rng(seed))
+            assert (got == want).all(), (options, seed, got, want)
+            assert allowed[np.arange(4), got].all()
 
 
 # ---- paths that refuse a constraint, or take it on a trimmed / static folder

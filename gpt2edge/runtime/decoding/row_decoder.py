@@ -132,11 +132,14 @@ class RowGroup:
         """(R,) bool: the rows still generating."""
         return np.array([not r.finished for r in self.rows])
 
-    def prefetch(self, active: np.ndarray | None = None) -> None:
+    def prefetch(self, active: np.ndarray | None = None, rows_in_step: int | None = None) -> None:
         """Start the next step's masks in the background (call right before the forward: they depend on the
-        tokens only). `active`: the rows that will be sampled (default: the unfinished ones)."""
+        tokens only). `active`: the rows that will be sampled (default: the unfinished ones); rows_in_step: the
+        rows the forward runs (default: this group's active ones)."""
         if self.constraint is not None:
-            self.constraint.prefetch(self.active() if active is None else active)
+            active = self.active() if active is None else active
+            rows = int(np.count_nonzero(active)) if rows_in_step is None else rows_in_step
+            self.constraint.prefetch(active, rows)
 
     def _plain_greedy(self, step: int) -> bool:
         """Greedy with nothing that changes the scores at `step`: the token is the raw scores' argmax."""

@@ -250,6 +250,26 @@ def next_tokens(
     return out
 
 
+def _allowed_pool(row: np.ndarray, mask: np.ndarray, k: int) -> np.ndarray | None:
+    """The allowed columns whose scores can reach top-k's pool: every allowed token at or above a threshold that at
+    least k allowed tokens pass (top_k_pool's strided sample, taken among the allowed ones), in increasing order.
+    None when the sample finds no such threshold, or when it sits too close to the k-th allowed score: scaled_top_k
+    also keeps scores a few ulps below the k-th (their quotients can round onto its own), so all of those must be in."""
+    stride = max(1, row.size // (16 * k))
+    sample = row[::stride][mask[::stride]]  # the allowed tokens of the strided sample
+    rank = 4 * -(-k // stride)
+    if len(sample) <= rank:
+        return None
+    threshold = np.partition(sample, len(sample) - 1 - rank)[len(sample) - 1 - rank]
+    pool = np.flatnonzero((row >= threshold) & mask)  # (~4k,) candidate columns, increasing
+    if len(pool) < k:
+        return None
+    lo = np.partition(row[pool], len(pool) - k)[len(pool) - k]  # the k-th allowed score
+    for _ in range(9):  # past scaled_top_k's eight steps down
+        lo = np.nextafter(lo, NEG_INF)
+    return pool if threshold <= lo else None
+
+
 def _allowed_tokens(
     scores: np.ndarray, params: SamplingParams, rng: np.random.Generator, columns: Columns | None, allowed: np.ndarray
 ) -> np.ndarray:
@@ -259,19 +279,31 @@ def _allowed_tokens(
     tokens' scores in increasing-id order are the masked row's distribution, and its draw walks them in the same
     order (a sequential cumulative sum skips the zeros exactly); only a row sum's pairwise rounding can differ,
     in its last bits. Sampling that short row costs what its length costs: a grammar that allows five tokens
-    does not pay top-k's partition of the whole vocabulary (~1 ms a row at 50,257 columns). A row that allows
-    every token is the unmasked row, draw for draw."""
+    does not pay top-k's partition of the whole vocabulary (~1 ms a row at 50,257 columns). With top-k and more
+    allowed tokens than k (a prose-like class allows most of the vocabulary), the short row is only the allowed
+    tokens that can reach top-k's pool (_allowed_pool): top-k keeps the same ones from it, so the draw is the
+    same, without gathering and sorting 40,000 scores; without top-k, such a row is sampled as the masked full
+    row itself. A row that allows every token is the unmasked row, draw for draw."""
     out = np.empty(len(scores), dtype=np.int64)
     for b, (row, mask) in enumerate(zip(scores, allowed)):
-        if mask.all():
+        n_allowed = np.count_nonzero(mask)
+        if n_allowed == mask.size:
             out[b] = greedy_tokens(row[None], columns)[0] if params.greedy else sample_row(row, params, rng, columns)
             continue
-        cols = np.flatnonzero(mask)  # (m,) the allowed columns, increasing
-        vals = row[cols]
-        if not (vals > NEG_INF).any():
+        pool = None
+        if not params.greedy and 0 < params.top_k < n_allowed:
+            pool = _allowed_pool(row, mask, params.top_k)
+        wide = pool is None and not params.greedy and 2 * n_allowed > mask.size
+        # most tokens allowed and no pool: the masked row in one pass costs less than gathering its scores
+        cols = None if wide else np.flatnonzero(mask) if pool is None else pool  # (m,) allowed columns, increasing
+        vals = np.where(mask, row, NEG_INF) if wide else row[cols]
+        if not n_allowed or vals.max() == NEG_INF:
             raise GenerationError(
                 "The constraint allows no token here that bad_words_ids / min_new_tokens leave; relax them."
             )
+        if wide:
+            out[b] = sample_row(vals, params, rng, columns)
+            continue
         col = int(cols[vals.argmax() if params.greedy else sample_row(vals, params, rng)])  # first of tied best
         out[b] = col if columns is None else int(columns.ids[col])
     return out

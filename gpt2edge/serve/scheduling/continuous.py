@@ -92,7 +92,7 @@ class ContinuousScheduler(Scheduler):
             if self._cache_rows:
                 tokens = np.array(self._pending, dtype=np.int64)
                 for live in self._live:  # the next masks depend on the sampled tokens only: made during the step
-                    live.group.prefetch(np.array(live.in_cache))
+                    live.group.prefetch(np.array(live.in_cache), len(self._cache_rows))
                 lp = self.slots.step(tokens)
                 self._stats.steps += 1
                 self._sample(lp, list(range(len(self._cache_rows))))
