@@ -242,6 +242,21 @@ def test_a_masked_row_is_sampled_as_its_allowed_tokens_only(n_allowed):
             next_tokens(banned, p, history, 2, np.random.default_rng(0), None, allowed)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_the_masked_row_is_np_where_with_minus_inf(dtype):
+    # sampling.masked_row (the wide mask's one pass) against np.where(mask, row, -inf): banned (-inf) scores,
+    # masks all False, all True and random, a float16 / float64 row
+    from gpt2edge.runtime.decoding.sampling import masked_row
+
+    rng = np.random.default_rng(3)
+    row = (rng.standard_normal(50257) * 4).astype(dtype)
+    row[rng.integers(0, row.size, 300)] = -np.inf
+    masks = [rng.random(row.size) < 0.9, np.zeros(row.size, bool), np.ones(row.size, bool), rng.random(row.size) < 0.1]
+    for mask in masks:
+        want, got = np.where(mask, row, np.float32(-np.inf)), masked_row(row, mask)
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
 @pytest.mark.parametrize("scale", [3.0, 0.0])  # spread-out scores; then every score rounded: runs of ties
 def test_a_wide_mask_under_top_k_draws_as_the_masked_full_row(scale):
     # with top-k and more allowed tokens than k, sampling.py samples only the allowed tokens that can reach
@@ -384,6 +399,66 @@ def test_a_catastrophic_regex_compiles_and_generates(gen):
     # backtracking engines take exponential time on (a+)+$; llguidance's derivative lexer does not backtrack
     r = gen.generate("a", constraint=Constraint.regex("(a+)+$"), max_new_tokens=8, do_sample=True, seed=0)
     assert re.fullmatch("a+", r.text)
+
+
+def test_one_mask_task_for_a_server_step_gives_each_group_its_own_masks(gen, monkeypatch):
+    # prefetch_batch (the continuous scheduler's one background task per step) hands each group the masks its own
+    # masks() computes: constraints of four kinds in mid-document states, a finished row, a dead beam; an engine
+    # error in one group's row fails that group alone
+    from gpt2edge.runtime.constraints import rows as rows_module
+    from gpt2edge.runtime.constraints.rows import ConstrainedRows, prefetch_batch
+
+    cases = [  # per group: each row's text so far
+        (Constraint.json_schema(SCHEMAS[1]), ['{"', "", '{"']),
+        (Constraint.regex("[0-9]{2}: [A-Za-z ,.]{1,60}"), ["12: He", "1", "12: Hello"]),
+        (Constraint.choice(["yes", "no"]), ["", "yes", "n"]),
+        (Constraint.regex("[a-z]+"), ["ab", "", "x"]),
+        (Constraint.regex("[a-z]+"), ["", "abc", "q"]),  # the same compiled constraint: unpacked with the one above
+    ]
+    actives = [np.array(a, dtype=bool) for a in ([1, 1, 1], [1, 0, 1], [0, 1, 1], [1, 1, 0], [1, 1, 1])]
+
+    def groups() -> list[ConstrainedRows]:
+        out = []
+        for c, texts in cases:
+            g = ConstrainedRows(compile_constraint(c, gen.tokenizer, gen.graph.vocab_size, gen.eos_token_id), 3,
+                                gen.eos_token_id, None)  # fmt: skip
+            for m, text in zip(g.matchers, texts):
+                for t in gen.tokenizer.encode(text):
+                    m.advance(t)
+            out.append(g)
+        out[1].matchers[2].dead = True  # a beam its grammar refused: allows nothing
+        return out
+
+    def batched_shares_one_constraint(gs: list[ConstrainedRows]) -> bool:
+        return gs[3].matchers[0].compiled is gs[4].matchers[0].compiled
+
+    own = [g.masks(a) for g, a in zip(groups(), actives)]
+    assert not (own[0] == own[1]).all() and not own[1][2].any() and own[2][0].all()
+    eos = gen.eos_token_id[0]
+    assert own[3][0, eos] and not own[3][1, eos]  # rows of one group differ in whether they may end
+    assert batched_shares_one_constraint(groups())
+    batched = groups()
+    prefetch_batch(list(zip(batched, actives)), rows_in_step=12)
+    batched[0]._pending[1].result()
+    monkeypatch.setattr(rows_module, "allowed_masks", None)  # collecting must not compute a group's masks again
+    for g, a, want in zip(batched, actives, own):
+        got = g.masks(a)
+        assert got.shape == want.shape and (got == want).all()
+    monkeypatch.undo()
+
+    failing = groups()
+
+    def limit_hit():
+        raise ConstraintError("lexer limit")
+
+    failing[4].matchers[1].check = limit_hit
+    prefetch_batch(list(zip(failing, actives)), rows_in_step=12)
+    for i, (g, a, want) in enumerate(zip(failing, actives, own)):
+        if i == 4:
+            with pytest.raises(ConstraintError, match="lexer limit"):
+                g.masks(a)
+        else:
+            assert (g.masks(a) == want).all()
 
 
 def test_the_word_slices_leave_every_mask_as_the_engine_computes_it_without_slices(gen, tiny_export):

@@ -9,6 +9,7 @@ recently used first out, keyed by kind, text and the tokenizer's digest).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import threading
@@ -48,6 +49,15 @@ def _llg():
     import llguidance
 
     return llguidance
+
+
+@functools.cache
+def _llg_numpy():
+    """llguidance's NumPy bitmask functions (imported once: an import statement per mask costs what the mask does)."""
+    _llg()
+    import llguidance.numpy
+
+    return llguidance.numpy
 
 
 def limits():
@@ -183,21 +193,41 @@ class RowMatcher:
 
 def allowed_masks(rows: Sequence[RowMatcher], eos_ids: Sequence[int] = ()) -> np.ndarray:
     """(len(rows), vocab_size) bool masks, computed by the engine in parallel when there are several rows."""
-    llg_np = __import__("llguidance.numpy", fromlist=["fill_next_token_bitmask"])
+    return masks_from_words(rows, fill_words(rows), eos_ids)
+
+
+def fill_words(rows: Sequence[RowMatcher]) -> np.ndarray:
+    """(len(rows), ceil(engine_vocab / 32)) int32: the engine's packed next-token bitmasks of the rows' states, in
+    one engine call (its thread pool when there are several rows; the call releases the GIL). The rows may come
+    from different constraints that share one executor and one engine vocabulary (a server step's requests)."""
+    llg_np = _llg_numpy()
     compiled = rows[0].compiled
-    V, n = compiled.vocab_size, compiled.engine_vocab
-    words = np.full((len(rows), (n + 31) // 32), -1, dtype=np.int32)
+    words = np.full((len(rows), (compiled.engine_vocab + 31) // 32), -1, dtype=np.int32)
     if len(rows) == 1:
         llg_np.fill_next_token_bitmask(rows[0]._m, words, 0)
     else:
         llg_np.fill_next_token_bitmask_par(compiled.executor, [(r._m, i) for i, r in enumerate(rows)], words)
-    bits = np.zeros((len(rows), V), dtype=bool)  # ids past the tokenizer's vocabulary stay disallowed
-    w = min(V, n)
-    bits[:, :w] = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :w]
-    for i, r in enumerate(rows):
-        r.check()  # a lexer or parser limit hit while computing the mask
-        bits[i, [t for t in compiled.engine_eos if t < V]] = False  # the engine's end token is the call's to allow
-        bits[i, [t for t in eos_ids if t < V]] = r.accepts_eos
+    return words
+
+
+def masks_from_words(rows: Sequence[RowMatcher], words: np.ndarray, eos_ids: Sequence[int] = ()) -> np.ndarray:
+    """fill_words' bitmasks of rows of ONE constraint -> (len(rows), vocab_size) bool: the engine's end tokens
+    dropped, the call's end tokens allowed where a row's text is complete. Raises a row's engine error (a lexer or
+    parser limit hit while computing its mask) as a ConstraintError."""
+    compiled = rows[0].compiled
+    V, w = compiled.vocab_size, min(compiled.vocab_size, compiled.engine_vocab)
+    # unpacked straight to (R, w) 0/1 bytes, viewed as bool; ids past the tokenizer's vocabulary stay disallowed
+    bits = np.unpackbits(words.view(np.uint8), axis=1, count=w, bitorder="little").view(bool)
+    if w < V:
+        bits = np.concatenate([bits, np.zeros((len(rows), V - w), dtype=bool)], axis=1)
+    for r in rows:
+        r.check()
+    engine_eos = [t for t in compiled.engine_eos if t < V]
+    if engine_eos:
+        bits[:, engine_eos] = False  # the engine's end token is the call's to allow
+    ends = [t for t in eos_ids if t < V]
+    if ends:
+        bits[:, ends] = np.array([r.accepts_eos for r in rows])[:, None]
     return bits
 
 

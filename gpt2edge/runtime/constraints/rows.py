@@ -15,7 +15,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from gpt2edge.runtime.constraints.engine import CompiledConstraint, allowed_masks
+from gpt2edge.runtime.constraints.engine import (
+    CompiledConstraint,
+    RowMatcher,
+    allowed_masks,
+    fill_words,
+    masks_from_words,
+)
 from gpt2edge.runtime.constraints.spec import ConstraintError
 from gpt2edge.runtime.model.columns import Columns
 
@@ -32,7 +38,8 @@ class ConstrainedRows:
     def __init__(self, compiled: CompiledConstraint, rows: int, eos_ids: Sequence[int], columns: Columns | None):
         self.matchers = [compiled.matcher() for _ in range(rows)]
         self.eos_ids, self.columns = tuple(int(t) for t in eos_ids), columns
-        self._pending: tuple[np.ndarray, Future] | None = None
+        # (active rows, the masks' future, the group's index in a prefetch_batch result or None)
+        self._pending: tuple[np.ndarray, Future, int | None] | None = None
         self._mask_ms = 0.0  # what the last masks took to compute
 
     def prefetch(self, active: np.ndarray, rows_in_step: int) -> None:
@@ -40,10 +47,10 @@ class ConstrainedRows:
         forward that the masks do not depend on); masks() with the same rows collects them. A forward of one row
         whose last mask took less than the handoff (HANDOFF_MS: a JSON Schema's or a sliced class's ~0.05 ms)
         leaves it for masks() to compute in line: the same mask, without the thread's cost. rows_in_step: the
-        rows that forward runs (a server's batch holds other requests' rows, whose masks overlap one another)."""
+        rows that forward runs (a server's batch holds other requests' rows: prefetch_batch)."""
         if rows_in_step <= 1 and self._mask_ms < HANDOFF_MS:
             return
-        self._pending = (active.copy(), _prefetcher.submit(self._masks, active.copy()))
+        self._pending = (active.copy(), _prefetcher.submit(self._masks, active.copy()), None)
 
     def masks(self, active: np.ndarray) -> np.ndarray:
         """(B, W) bool: each active row's allowed tokens in the head's columns (W = V, or a trimmed head's K);
@@ -51,6 +58,10 @@ class ConstrainedRows:
         pending, self._pending = self._pending, None
         if pending is not None:
             done = pending[1].result()  # waited for even when unused: no matcher is touched by two threads
+            if pending[2] is not None:  # one of prefetch_batch's groups: its mask, or the error computing it
+                done = done[pending[2]]
+                if isinstance(done, Exception):
+                    raise done
             if np.array_equal(pending[0], active):
                 return done
         return self._masks(active)
@@ -58,18 +69,26 @@ class ConstrainedRows:
     def _masks(self, active: np.ndarray) -> np.ndarray:
         start = time.perf_counter()
         try:
-            return self._allowed_columns(active)
+            live = self._live(active)
+            return self._assemble(active, live, allowed_masks([self.matchers[b] for b in live], self.eos_ids))
         finally:
             self._mask_ms = (time.perf_counter() - start) * 1e3
 
-    def _allowed_columns(self, active: np.ndarray) -> np.ndarray:
-        live = np.flatnonzero(active)
-        V = self.matchers[0].compiled.vocab_size
-        full = np.ones((len(self.matchers), V), dtype=bool)
-        full[[b for b in live if self.matchers[b].dead]] = False  # a beam its grammar refused: nothing goes on
-        live = np.array([b for b in live if not self.matchers[b].dead], dtype=np.int64)
-        if len(live):
-            full[live] = allowed_masks([self.matchers[b] for b in live], self.eos_ids)
+    def _live(self, active: np.ndarray) -> list[int]:
+        """The active rows whose grammar still goes on (a beam its grammar refused is dead)."""
+        return [b for b in np.flatnonzero(active).tolist() if not self.matchers[b].dead]
+
+    def _assemble(self, active: np.ndarray, live: list[int], allowed: np.ndarray) -> np.ndarray:
+        """The (B, W) mask from the live rows' (len(live), V) allowed tokens (the rest: inactive rows allow every
+        token, dead ones none), in the head's columns; a row the trimmed head leaves without a token is refused."""
+        B = len(self.matchers)
+        if len(live) == B:  # every row live (a server request's one row): the engine's rows as they are
+            full = allowed
+        else:
+            full = np.ones((B, self.matchers[0].compiled.vocab_size), dtype=bool)
+            full[[b for b in np.flatnonzero(active).tolist() if self.matchers[b].dead]] = False
+            if live:
+                full[live] = allowed
         if self.columns is None:
             return full
         kept = full[:, self.columns.ids]
@@ -98,3 +117,77 @@ class ConstrainedRows:
         m = self.matchers[row]
         m.advance(token)
         return m.done
+
+
+def prefetch_batch(groups: Sequence[tuple[ConstrainedRows, np.ndarray]], rows_in_step: int) -> None:
+    """prefetch() for several groups (a server step's requests, each with its active rows): their masks in ONE
+    background task, one engine call for all their rows (its thread pool, the GIL released) and one unpacking per
+    constraint (requests with the same schema share one), instead of a task each: per-request tasks held the GIL
+    for their NumPy work sixteen times a step and each paid a thread's handoff, on the cores ONNX Runtime's step
+    runs on. Each group's masks() collects its own masks (or the error its rows hit: it alone fails)."""
+    if len(groups) == 1:
+        groups[0][0].prefetch(groups[0][1], rows_in_step)
+        return
+    if not groups:
+        return
+    jobs = [(rows, active.copy()) for rows, active in groups]
+    future = _prefetcher.submit(_batch_masks, jobs)
+    for i, (rows, active) in enumerate(jobs):
+        rows._pending = (active, future, i)
+
+
+def _batch_masks(jobs: list[tuple[ConstrainedRows, np.ndarray]]) -> list[np.ndarray | Exception]:
+    """prefetch_batch's task: per group, its (B, W) masks or the exception computing them raised."""
+    start = time.perf_counter()
+    live = [rows._live(active) for rows, active in jobs]
+    matchers = [[rows.matchers[b] for b in ids] for (rows, _), ids in zip(jobs, live)]
+    words = _engine_words([m for ms in matchers for m in ms])  # per live row: its packed mask (None: failed)
+    first = np.cumsum([0] + [len(ms) for ms in matchers])  # group g's rows: words[first[g]:first[g + 1]]
+    # groups of one constraint and end tokens (a server's requests with the same schema) unpacked together
+    same: dict[tuple, list[int]] = {}
+    for g, ((rows, _), ms) in enumerate(zip(jobs, matchers)):
+        if ms:
+            same.setdefault((id(ms[0].compiled), rows.eos_ids), []).append(g)
+    allowed: dict[int, np.ndarray | Exception] = {}
+    for (_, eos_ids), groups in same.items():
+        rows_of = [words[r] for g in groups for r in range(first[g], first[g + 1])]
+        try:
+            if any(w is None for w in rows_of):
+                raise ValueError("the engine call failed")
+            bits = masks_from_words([m for g in groups for m in matchers[g]], np.stack(rows_of), eos_ids)
+            at = np.cumsum([0] + [len(matchers[g]) for g in groups])
+            allowed.update((g, bits[at[k] : at[k + 1]]) for k, g in enumerate(groups))
+        except Exception:  # one group's row failed (or the engine call): each group alone says whose
+            for g in groups:
+                try:
+                    allowed[g] = allowed_masks(matchers[g], eos_ids)
+                except Exception as e:
+                    allowed[g] = e
+    out: list[np.ndarray | Exception] = []
+    for g, (rows, active) in enumerate(jobs):
+        got = allowed.get(g, np.zeros((0, rows.matchers[0].compiled.vocab_size), dtype=bool))
+        try:
+            out.append(got if isinstance(got, Exception) else rows._assemble(active, live[g], got))
+        except Exception as e:
+            out.append(e)
+    share_ms = (time.perf_counter() - start) * 1e3 / max(1, int(first[-1]))
+    for g, (rows, _) in enumerate(jobs):
+        rows._mask_ms = share_ms * len(live[g])  # each group's share of the task (the handoff rule)
+    return out
+
+
+def _engine_words(matchers: list[RowMatcher]) -> list[np.ndarray | None]:
+    """Each matcher's packed mask row (fill_words), one engine call per executor and engine vocabulary (one,
+    unless tokenizers differ); None for the rows of a call that raised."""
+    by_engine: dict[tuple[int, int], list[int]] = {}
+    for i, m in enumerate(matchers):
+        by_engine.setdefault((id(m.compiled.executor), m.compiled.engine_vocab), []).append(i)
+    words: list[np.ndarray | None] = [None] * len(matchers)
+    for ids in by_engine.values():
+        try:
+            filled = fill_words([matchers[i] for i in ids])
+        except Exception:
+            continue
+        for i, w in zip(ids, filled):
+            words[i] = w
+    return words

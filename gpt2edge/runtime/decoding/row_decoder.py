@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpt2edge.runtime.constraints.rows import ConstrainedRows
+from gpt2edge.runtime.constraints.rows import ConstrainedRows, prefetch_batch
 from gpt2edge.runtime.decoding.row_penalties import RowPenalties
 from gpt2edge.runtime.decoding.sampling import greedy_tokens, next_tokens
 from gpt2edge.runtime.decoding.sampling_params import SamplingParams
@@ -140,6 +140,12 @@ class RowGroup:
             active = self.active() if active is None else active
             rows = int(np.count_nonzero(active)) if rows_in_step is None else rows_in_step
             self.constraint.prefetch(active, rows)
+
+    @staticmethod
+    def prefetch_all(groups: Sequence[tuple[RowGroup, np.ndarray]], rows_in_step: int) -> None:
+        """prefetch() for several groups at once, each with the rows that will be sampled (a server step's
+        requests): one background task computes all their masks (constraints/rows.py prefetch_batch)."""
+        prefetch_batch([(g.constraint, active) for g, active in groups if g.constraint is not None], rows_in_step)
 
     def _plain_greedy(self, step: int) -> bool:
         """Greedy with nothing that changes the scores at `step`: the token is the raw scores' argmax."""

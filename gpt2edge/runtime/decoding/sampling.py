@@ -270,6 +270,21 @@ def _allowed_pool(row: np.ndarray, mask: np.ndarray, k: int) -> np.ndarray | Non
     return pool if threshold <= lo else None
 
 
+def masked_row(row: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """(W,) scores with -inf where the (W,) bool mask is False: np.where(mask, row, -inf)'s values (a -0.0 score
+    comes back +0.0) at half its cost on a float32 row. The mask's bytes become 0 / -inf float32 bit patterns by
+    integer arithmetic (1 - 1 = 0: +0.0; 0 - 1 = all ones, & -inf's bits: -inf), added to the row: x + 0.0 is x,
+    x + -inf is -inf (a score is never +inf)."""
+    if row.dtype != np.float32:
+        return np.where(mask, row, NEG_INF)
+    bits = mask.view(np.uint8).astype(np.uint32)
+    bits -= np.uint32(1)
+    bits &= np.uint32(0xFF800000)  # float32 -inf
+    bias = bits.view(np.float32)
+    bias += row
+    return bias
+
+
 def _allowed_tokens(
     scores: np.ndarray, params: SamplingParams, rng: np.random.Generator, columns: Columns | None, allowed: np.ndarray
 ) -> np.ndarray:
@@ -296,7 +311,7 @@ def _allowed_tokens(
         wide = pool is None and not params.greedy and 2 * n_allowed > mask.size
         # most tokens allowed and no pool: the masked row in one pass costs less than gathering its scores
         cols = None if wide else np.flatnonzero(mask) if pool is None else pool  # (m,) allowed columns, increasing
-        vals = np.where(mask, row, NEG_INF) if wide else row[cols]
+        vals = masked_row(row, mask) if wide else row[cols]
         if not n_allowed or vals.max() == NEG_INF:
             raise GenerationError(
                 "The constraint allows no token here that bad_words_ids / min_new_tokens leave; relax them."

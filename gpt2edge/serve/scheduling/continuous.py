@@ -91,8 +91,8 @@ class ContinuousScheduler(Scheduler):
                 self._join(jobs)
             if self._cache_rows:
                 tokens = np.array(self._pending, dtype=np.int64)
-                for live in self._live:  # the next masks depend on the sampled tokens only: made during the step
-                    live.group.prefetch(np.array(live.in_cache), len(self._cache_rows))
+                # the next masks depend on the sampled tokens only: made during the step, all requests' at once
+                RowGroup.prefetch_all([(live.group, np.array(live.in_cache)) for live in self._live], len(tokens))
                 lp = self.slots.step(tokens)
                 self._stats.steps += 1
                 self._sample(lp, list(range(len(self._cache_rows))))
