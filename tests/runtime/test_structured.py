@@ -401,6 +401,37 @@ def test_a_catastrophic_regex_compiles_and_generates(gen):
     assert re.fullmatch("a+", r.text)
 
 
+def test_a_cheap_mask_of_one_row_is_computed_in_line_and_waiting_is_not_cost(gen, monkeypatch):
+    # the handoff rule (rows.HANDOFF_MS): a one-row forward whose last mask cost less CPU than the handoff leaves
+    # the next mask to masks(); a costly one, or a forward of several rows, computes it in the background. The
+    # cost is the computing thread's CPU time: a mask that waited (here: slept) 20 ms is still a cheap one
+    import time
+
+    from gpt2edge.runtime.constraints import rows as rows_module
+    from gpt2edge.runtime.constraints.rows import ConstrainedRows
+
+    compiled = compile_constraint(Constraint.regex("[a-z]+"), gen.tokenizer, gen.graph.vocab_size, gen.eos_token_id)
+    real = rows_module.allowed_masks
+
+    def waits_then_masks(ms, eos):
+        time.sleep(0.02)
+        return real(ms, eos)
+
+    monkeypatch.setattr(rows_module, "allowed_masks", waits_then_masks)
+    one = np.array([True])
+    g = ConstrainedRows(compiled, 1, gen.eos_token_id, None)
+    first = g.masks(one)  # (the first mask builds the engine's lazy state)
+    g.prefetch(one, rows_in_step=4)  # several rows in the forward: always in the background
+    assert g._pending is not None and (g.masks(one) == first).all()
+    assert g._mask_ms < 10  # computed in the worker after a 20 ms sleep: the sleep is not its cost
+    g._mask_ms = rows_module.HANDOFF_MS / 2
+    g.prefetch(one, rows_in_step=1)
+    assert g._pending is None and (g.masks(one) == first).all()  # in line
+    g._mask_ms = 5 * rows_module.HANDOFF_MS  # a costly grammar state
+    g.prefetch(one, rows_in_step=1)
+    assert g._pending is not None and (g.masks(one) == first).all()
+
+
 def test_one_mask_task_for_a_server_step_gives_each_group_its_own_masks(gen, monkeypatch):
     # prefetch_batch (the continuous scheduler's one background task per step) hands each group the masks its own
     # masks() computes: constraints of four kinds in mid-document states, a finished row, a dead beam; an engine

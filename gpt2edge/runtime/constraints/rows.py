@@ -40,7 +40,9 @@ class ConstrainedRows:
         self.eos_ids, self.columns = tuple(int(t) for t in eos_ids), columns
         # (active rows, the masks' future, the group's index in a prefetch_batch result or None)
         self._pending: tuple[np.ndarray, Future, int | None] | None = None
-        self._mask_ms = 0.0  # what the last masks took to compute
+        # the CPU time the last masks took (the computing thread's own: a worker's wall time would count the
+        # forward's threads and the GIL it waited for, and keep a cheap mask in the worker for good)
+        self._mask_ms = 0.0
 
     def prefetch(self, active: np.ndarray, rows_in_step: int) -> None:
         """Start the masks of the rows' current states in the background (the loop calls this right before the
@@ -67,15 +69,17 @@ class ConstrainedRows:
         return self._masks(active)
 
     def _masks(self, active: np.ndarray) -> np.ndarray:
-        start = time.perf_counter()
+        start = time.thread_time()
         try:
             live = self._live(active)
             return self._assemble(active, live, allowed_masks([self.matchers[b] for b in live], self.eos_ids))
         finally:
-            self._mask_ms = (time.perf_counter() - start) * 1e3
+            self._mask_ms = (time.thread_time() - start) * 1e3
 
     def _live(self, active: np.ndarray) -> list[int]:
         """The active rows whose grammar still goes on (a beam its grammar refused is dead)."""
+        if len(self.matchers) == 1:  # one row (a server request's, a batch-1 call): no index arrays
+            return [0] if active[0] and not self.matchers[0].dead else []
         return [b for b in np.flatnonzero(active).tolist() if not self.matchers[b].dead]
 
     def _assemble(self, active: np.ndarray, live: list[int], allowed: np.ndarray) -> np.ndarray:
@@ -138,7 +142,7 @@ def prefetch_batch(groups: Sequence[tuple[ConstrainedRows, np.ndarray]], rows_in
 
 def _batch_masks(jobs: list[tuple[ConstrainedRows, np.ndarray]]) -> list[np.ndarray | Exception]:
     """prefetch_batch's task: per group, its (B, W) masks or the exception computing them raised."""
-    start = time.perf_counter()
+    start = time.thread_time()
     live = [rows._live(active) for rows, active in jobs]
     matchers = [[rows.matchers[b] for b in ids] for (rows, _), ids in zip(jobs, live)]
     words = _engine_words([m for ms in matchers for m in ms])  # per live row: its packed mask (None: failed)
@@ -170,7 +174,7 @@ def _batch_masks(jobs: list[tuple[ConstrainedRows, np.ndarray]]) -> list[np.ndar
             out.append(got if isinstance(got, Exception) else rows._assemble(active, live[g], got))
         except Exception as e:
             out.append(e)
-    share_ms = (time.perf_counter() - start) * 1e3 / max(1, int(first[-1]))
+    share_ms = (time.thread_time() - start) * 1e3 / max(1, int(first[-1]))
     for g, (rows, _) in enumerate(jobs):
         rows._mask_ms = share_ms * len(live[g])  # each group's share of the task (the handoff rule)
     return out
