@@ -463,6 +463,9 @@ def test_one_mask_task_for_a_server_step_gives_each_group_its_own_masks(gen, mon
     def batched_shares_one_constraint(gs: list[ConstrainedRows]) -> bool:
         return gs[3].matchers[0].compiled is gs[4].matchers[0].compiled
 
+    none_live = groups()[1]
+    none_live.matchers[0].dead = True  # the active rows all dead or finished: no engine call, nothing allowed
+    assert not none_live.masks(np.array([True, False, True])).any(axis=1)[[0, 2]].any()
     own = [g.masks(a) for g, a in zip(groups(), actives)]
     assert not (own[0] == own[1]).all() and not own[1][2].any() and own[2][0].all()
     eos = gen.eos_token_id[0]

@@ -72,6 +72,8 @@ class ConstrainedRows:
         start = time.thread_time()
         try:
             live = self._live(active)
+            if not live:  # every active row finished or dead (a beam search's refused beams): no engine call
+                return self._assemble(active, live, np.zeros((0, self.matchers[0].compiled.vocab_size), bool))
             return self._assemble(active, live, allowed_masks([self.matchers[b] for b in live], self.eos_ids))
         finally:
             self._mask_ms = (time.thread_time() - start) * 1e3
