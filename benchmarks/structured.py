@@ -9,6 +9,9 @@ token, the mask (the engine's bitmask unpacked to a (V,) bool row), applying it 
 under the mask, less sampling it unmasked: negative where the allowed tokens are cheaper to sample than the whole
 row) and advancing the matcher. The decode step is the median forward of a plain (unconstrained)
 generation of the same length.
+*gap*: the median wall time between consecutive tokens of a seeded generation (temperature 0.8), constrained
+and plain runs interleaved round by round after a warm-up round; *vs plain* beside it is the steadier end-to-end
+figure on a busy host (the mean per token, *e2e/tok*, takes every stray slow step in full).
 Also: the mask of 16 rows at once (several sequences: the engine's parallel executor), the tokenizer's one-off
 conversion, and the compile time of each constraint with the cache cleared. Medians over rounds.
 """
@@ -22,7 +25,7 @@ import time
 
 import numpy as np
 
-from gpt2edge.runtime import Generator
+from gpt2edge.runtime import GenerationResult, Generator
 from gpt2edge.runtime.constraints import Constraint, engine
 from gpt2edge.runtime.constraints.engine import allowed_masks, compile_constraint
 from gpt2edge.runtime.decoding.sampling import next_tokens
@@ -100,11 +103,41 @@ def step_ms(timings: dict, n_tokens: int) -> float:
     return (timings["wall_ms"] - timings["prefill_ms"]) / max(1, n_tokens - 1)
 
 
+def token_gaps(
+    gen: Generator, n_tokens: int, seed: int, constraint: Constraint | None
+) -> tuple[float, GenerationResult]:
+    """The median wall time between consecutive tokens of one seeded generation (forward, mask, sampling and the
+    loop's own work of one step; robust to a stray slow step on a busy host, where the mean is not), and its
+    result. A plain generation (constraint None) runs to n_tokens."""
+    stamps: list[float] = []
+    result = gen.generate(
+        "The", constraint=constraint, max_new_tokens=n_tokens, ignore_eos=constraint is None, do_sample=True,
+        seed=seed, temperature=0.8, callback=lambda _step: stamps.append(time.perf_counter()),
+    )  # fmt: skip
+    gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    return (statistics.median(gaps) if gaps else 0.0), result
+
+
+def interleaved_gaps(gen: Generator, n_tokens: int, rounds: int) -> dict[str, list[float]]:
+    """token_gaps of a plain generation and of each constraint, interleaved round by round (so that a slow spell
+    of the host falls on all of them), after one warm-up round that is not counted."""
+    kinds = {"plain": None, **CONSTRAINTS}
+    gaps: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(rounds + 1):
+        for name, c in kinds.items():
+            g, _ = token_gaps(gen, n_tokens, r, c)
+            if r:
+                gaps[name].append(g)
+    return gaps
+
+
 def bench(folder: str, n_tokens: int, rounds: int) -> dict:
     gen = Generator(folder)
     t0 = time.perf_counter()
     engine.engine_tokenizer(gen.tokenizer, gen.eos_token_id)
     out: dict = {"folder": folder, "vocab": gen.graph.vocab_size, "tokenizer_ms": (time.perf_counter() - t0) * 1e3}
+    gaps = interleaved_gaps(gen, n_tokens, rounds)
+    out["plain_gap_ms"] = statistics.median(gaps["plain"])
     plain = [
         gen.generate("The", max_new_tokens=n_tokens, ignore_eos=True, do_sample=True, seed=r).timings
         for r in range(rounds)
@@ -137,6 +170,9 @@ def bench(folder: str, n_tokens: int, rounds: int) -> dict:
             "mask_16_rows_ms": statistics.median(rows16(gen, compiled, r.token_ids) for _ in range(rounds)),
             "e2e_ms_per_token": e2e,
             "e2e_overhead_pct": 100 * (e2e / out["plain_ms_per_token"] - 1),
+            "gap_ms": statistics.median(gaps[name]),
+            "gap_range_ms": [min(gaps[name]), max(gaps[name])],
+            "gap_overhead_pct": 100 * (statistics.median(gaps[name]) / out["plain_gap_ms"] - 1),
         }
     return out
 
@@ -199,7 +235,8 @@ def main() -> None:
         return
     results = [bench(f, args.tokens, args.rounds) for f in args.folders]
     print(f"{'folder':<28} {'constraint':<22} {'compile':>9} {'mask':>7} {'apply':>7} {'advance':>8} "
-          f"{'total':>7} {'decode':>7} {'overhead':>8} {'16 rows':>8} {'e2e/tok':>8} {'vs plain':>8}")  # fmt: skip
+          f"{'total':>7} {'decode':>7} {'overhead':>8} {'16 rows':>8} {'e2e/tok':>8} {'vs plain':>8} "
+          f"{'gap':>7} {'vs plain':>8}")  # fmt: skip
     for r in results:
         for name in CONSTRAINTS:
             c = r[name]
@@ -207,8 +244,10 @@ def main() -> None:
                 f"{r['folder'][-28:]:<28} {name:<22} {c['compile_ms']:>7.1f}ms {c['mask_ms']:>5.3f}ms "
                 f"{c['apply_ms']:>5.3f}ms {c['advance_ms']:>6.3f}ms {c['total_ms']:>5.3f}ms "
                 f"{r['decode_step_ms']:>5.2f}ms {c['overhead_pct']:>7.1f}% {c['mask_16_rows_ms']:>6.3f}ms "
-                f"{c['e2e_ms_per_token']:>6.2f}ms {c['e2e_overhead_pct']:>+7.1f}%"
+                f"{c['e2e_ms_per_token']:>6.2f}ms {c['e2e_overhead_pct']:>+7.1f}% "
+                f"{c['gap_ms']:>5.3f}ms {c['gap_overhead_pct']:>+7.1f}%"
             )
+        print(f"{'':<28} plain generation: median gap between tokens {r['plain_gap_ms']:.3f} ms")
         print(f"{'':<28} tokenizer conversion (once per folder): {r['tokenizer_ms']:.0f} ms")
     if args.json:
         with open(args.json, "w") as f:
