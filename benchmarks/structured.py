@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from gpt2edge.runtime import GenerationResult, Generator
+from gpt2edge.runtime import Generator
 from gpt2edge.runtime.constraints import Constraint, engine
 from gpt2edge.runtime.constraints.engine import allowed_masks, compile_constraint
 from gpt2edge.runtime.decoding.sampling import next_tokens
@@ -103,31 +103,29 @@ def step_ms(timings: dict, n_tokens: int) -> float:
     return (timings["wall_ms"] - timings["prefill_ms"]) / max(1, n_tokens - 1)
 
 
-def token_gaps(
-    gen: Generator, n_tokens: int, seed: int, constraint: Constraint | None
-) -> tuple[float, GenerationResult]:
+def token_gap(gen: Generator, n_tokens: int, seed: int, constraint: Constraint | None) -> float:
     """The median wall time between consecutive tokens of one seeded generation (forward, mask, sampling and the
-    loop's own work of one step; robust to a stray slow step on a busy host, where the mean is not), and its
-    result. A plain generation (constraint None) runs to n_tokens."""
+    loop's own work of one step; robust to a stray slow step on a busy host, where the mean is not). A plain
+    generation (constraint None) runs to n_tokens."""
     stamps: list[float] = []
-    result = gen.generate(
+    gen.generate(
         "The", constraint=constraint, max_new_tokens=n_tokens, ignore_eos=constraint is None, do_sample=True,
         seed=seed, temperature=0.8, callback=lambda _step: stamps.append(time.perf_counter()),
     )  # fmt: skip
     gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
-    return (statistics.median(gaps) if gaps else 0.0), result
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def interleaved_gaps(gen: Generator, n_tokens: int, rounds: int) -> dict[str, list[float]]:
-    """token_gaps of a plain generation and of each constraint, interleaved round by round (so that a slow spell
+    """token_gap of a plain generation and of each constraint, interleaved round by round (so that a slow spell
     of the host falls on all of them), after one warm-up round that is not counted."""
     kinds = {"plain": None, **CONSTRAINTS}
     gaps: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(rounds + 1):
         for name, c in kinds.items():
-            g, _ = token_gaps(gen, n_tokens, r, c)
+            gap = token_gap(gen, n_tokens, r, c)
             if r:
-                gaps[name].append(g)
+                gaps[name].append(gap)
     return gaps
 
 
@@ -157,6 +155,7 @@ def bench(folder: str, n_tokens: int, rounds: int) -> dict:
         ]
         r = runs[0]
         e2e = statistics.median(step_ms(x.timings, len(x.token_ids)) for x in runs)
+        gap = statistics.median(gaps[name])
         rounds_ = [per_token(gen, compiled, r.token_ids) for _ in range(rounds)]
         stats = {k: statistics.median(x[k] for x in rounds_) for k in rounds_[0]}
         total = stats["mask_ms"] + stats["apply_ms"] + stats["advance_ms"]
@@ -170,9 +169,9 @@ def bench(folder: str, n_tokens: int, rounds: int) -> dict:
             "mask_16_rows_ms": statistics.median(rows16(gen, compiled, r.token_ids) for _ in range(rounds)),
             "e2e_ms_per_token": e2e,
             "e2e_overhead_pct": 100 * (e2e / out["plain_ms_per_token"] - 1),
-            "gap_ms": statistics.median(gaps[name]),
+            "gap_ms": gap,
             "gap_range_ms": [min(gaps[name]), max(gaps[name])],
-            "gap_overhead_pct": 100 * (statistics.median(gaps[name]) / out["plain_gap_ms"] - 1),
+            "gap_overhead_pct": 100 * (gap / out["plain_gap_ms"] - 1),
         }
     return out
 
