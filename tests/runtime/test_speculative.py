@@ -132,6 +132,52 @@ def test_rollback_gives_the_log_probs_of_the_kept_tokens(targets, kind):
         assert seq.mask[0, : seq.lm.past_len].sum() == len(seq.tokens) and seq.compactions == 0
 
 
+def test_tail_steps_of_changing_shapes_reuse_their_bindings_and_stay_exact(targets):
+    """A tail head on a shared cache keeps one IO binding per step shape (S, keep): verify steps whose k changes
+    every step re-bind nothing, and what they return equals a run without IO binding, also after a start that
+    reallocates the cache, a batch of rows, and a tail buffer that grows (every kept binding then points at
+    freed memory and must go)."""
+    folder = ModelFolder.open(targets["shared"])
+    bound, plain = OrtLM(folder), OrtLM(folder, io_binding=False)
+    made = []
+    real = bound.session.io_binding
+    bound.session = _Spy(bound.session, lambda: made.append(real()) or made[-1])
+    rng = np.random.default_rng(5)
+
+    def run(capacity: int, sizes: list[int]) -> None:
+        seqs = [CachedSequence(lm, capacity) for lm in (bound, plain)]
+        prompt = rng.integers(0, 300, 6).tolist()
+        for seq in seqs:
+            seq.feed(prompt)
+        for S in sizes:
+            tokens, live = rng.integers(0, 300, S).tolist(), len(seqs[0].tokens)
+            got, want = (np.array(seq.feed(tokens, keep=S)) for seq in seqs)
+            assert np.abs(got - want).max() < 1e-5
+            for seq in seqs:
+                seq.truncate(live + 1)  # accept one, reject the rest
+
+    run(64, [3, 5, 3, 2, 5, 3, 2])
+    assert len(made) == 4  # the prompt's shape, then 3, 5, 2 once each: the later steps re-bind nothing
+    run(64, [3, 5])  # a new generation on the same buffers keeps them
+    assert len(made) == 4
+    run(200, [3, 5])  # a larger reservation reallocates the cache: bound afresh
+    assert len(made) == 7
+    run(200, [20, 3])  # a step wider than the tail buffer's 17 rows grows it: the old bindings go with it
+    assert len(made) == 9
+    run(200, [3])
+    assert len(made) == 10
+
+
+class _Spy:
+    """A session whose io_binding() is counted; everything else is the session's."""
+
+    def __init__(self, session, io_binding) -> None:
+        self._session, self.io_binding = session, io_binding
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+
 def test_concat_cache_compacts_once_its_dead_room_is_spent(targets):
     lm = OrtLM(ModelFolder.open(targets["concat"]))
     seq = CachedSequence(lm, 8, dead_room=4)  # 12 slots: the last feed needs 13
@@ -267,9 +313,12 @@ def test_adaptive_draft_length_follows_acceptance(targets):
     k = DraftLength()
     k.update(4, 4)
     assert k.k == 6
-    for _ in range(20):
-        k.update(1, k.k)
+    k.update(3, 6)  # a rejection: one more than were accepted
+    assert k.k == 4
+    k.update(0, 4)
     assert k.k == 1
+    k.update(1, 1)
+    assert k.k == 3
     for _ in range(20):
         k.update(k.k, k.k)
     assert k.k == ADAPTIVE_MAX

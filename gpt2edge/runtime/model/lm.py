@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from onnxruntime import IOBinding
 
 from gpt2edge.errors import DeviceError, ModelFolderError
 from gpt2edge.manifest import KEEP_INPUT
@@ -26,6 +27,10 @@ from gpt2edge.runtime.model.ort_session import (
     quiet_run_options,
     run_errors,
 )
+
+# shapes a tail head keeps bound at once: speculative verify steps take 2..17 positions (k <= 16), prefills any
+MAX_SHAPE_BINDINGS = 32
+TAIL_ROWS = 17  # positions a tail head's output buffer holds at least (k + 1 of speculative decoding's k <= 16)
 
 
 class OrtGraph:
@@ -152,6 +157,11 @@ class OrtLM(CacheRows):
         self._mask = np.empty(0, dtype=np.int64)  # flat buffer the attention mask is bound from
         self._bound_seq = 0  # new positions per step of the current binding (shared-cache graphs reuse it)
         self._bound_keep = 0  # positions of log-probs the current binding returns (tail head)
+        # a tail head on a shared cache keeps one binding per step shape (S, keep) while the cache buffers it
+        # points at live (speculative verify steps change k nearly every step: re-binding cost ~0.1 ms a step)
+        self._per_shape = self.shared and g.keeps and io_binding
+        self._shape_bindings: dict[tuple[int, int], tuple[IOBinding, dict[str, np.ndarray], np.ndarray]] = {}
+        self._shapes_cache: tuple[int, int] = (-1, 0)  # the cache (allocation, rows) they were bound to
         self._tail = np.empty(0, dtype=np.float32)  # flat buffer a tail head's (B, keep, V) output is bound to
 
     @property
@@ -209,10 +219,11 @@ class OrtLM(CacheRows):
             self.past_len += S
             return _rows(out[0], keep)
 
-        b = self.binding
         inputs = {"input_ids": input_ids, "position_ids": position_ids}
         if self.graph.keeps:
             inputs[KEEP_INPUT] = np.arange(S - n, S, dtype=np.int64)
+        if self._per_shape and (S, n) != (self._bound_seq, self._bound_keep):
+            self._switch_binding(S, n)
         if self.shared and S == self._bound_seq and n == self._bound_keep:
             # decode steps of a shared-cache graph bind the same buffers: refresh ids and positions in place
             # (ORT reads them at run time) instead of re-binding ~4 x n_layer tensors per step
@@ -222,6 +233,9 @@ class OrtLM(CacheRows):
             self._bind_step(inputs, S, n)
             self._bound_seq = S if self.shared else 0
             self._bound_keep = n
+            if self._per_shape:
+                self._shape_bindings[S, n] = (self.binding, self._inputs, self._logprobs)
+        b = self.binding
         self._bind_mask(attention_mask)  # the one input whose shape grows every step
         self.session.run_with_iobinding(b, self.graph.run_options)
         self.cache.after_step(self.past_len, S)
@@ -231,6 +245,21 @@ class OrtLM(CacheRows):
             return _rows(b.get_outputs()[0].numpy(), keep)
         # on CUDA only this (B, V) tensor crosses to the host each step; the cache stays on the device
         return _rows(lp if self.device == "cpu" else lp.numpy(), keep)
+
+    def _switch_binding(self, S: int, n: int) -> None:
+        """A tail head's step of another shape: the binding an earlier step of (S, n) left, when it still points
+        at this cache's buffers, or a new binding for _bind_step to fill (the other shapes' stay as they are)."""
+        owner = (self.cache.allocations, self.cache.rows)
+        if owner != self._shapes_cache or len(self._shape_bindings) >= MAX_SHAPE_BINDINGS:
+            self._shape_bindings.clear()  # new buffers or rows; or prefills of many lengths: start afresh
+            self._shapes_cache = owner
+        kept = self._shape_bindings.get((S, n))
+        if kept is None:
+            self.binding = self.session.io_binding()
+            self._bound_seq = 0
+        else:
+            self.binding, self._inputs, self._logprobs = kept
+            self._bound_seq, self._bound_keep = S, n
 
     def runs_by_row(self, B: int, S: int) -> bool:
         """Whether a step of B rows of S tokens runs row by row (_forward_rows), each on a binding of its own."""
@@ -300,8 +329,9 @@ class OrtLM(CacheRows):
         B = len(self._inputs["input_ids"])
         if self.graph.keeps and self.device == "cpu":  # tail head: (B, keep, V) into our own flat buffer
             size = B * keep * self.vocab_size
-            if self._tail.size < size:
-                self._tail = np.empty(size, dtype=np.float32)
+            if self._tail.size < size:  # room for TAIL_ROWS positions of a row at least: a changing k allocates once
+                self._tail = np.empty(max(size, TAIL_ROWS * self.vocab_size), dtype=np.float32)
+                self._shape_bindings.clear()  # they write into the buffer replaced here
             self._logprobs = lp = self._tail[:size].reshape(B, keep, self.vocab_size)
             b.bind_output(self.graph.output, "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
         elif lp is None:  # head "all" (B, S, V), or a tail head on CUDA: the shape varies, ORT allocates it

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 from tokenizers import Tokenizer
 
 from gpt2edge.errors import GenerationError, ModelFolderError
@@ -35,11 +34,14 @@ def lookup(history: Sequence[int], ngram: int, k: int) -> list[int]:
     (transformers' prompt_lookup_num_tokens / llama.cpp's lookup decoding). The latest occurrence with k tokens
     after it wins (recent context is the likeliest to repeat), else the one with the most tokens after it."""
     h = np.asarray(history, dtype=np.int64)
+    last = np.flatnonzero(h[:-1] == h[-1])  # earlier positions of the last token: where a match can end
     for n in range(min(ngram, len(h) - 1), 0, -1):
-        # windows of h[:-1] end before the last token, so every match has at least one token after it
-        hits = np.flatnonzero((sliding_window_view(h[:-1], n) == h[-n:]).all(axis=1))
+        # an n-gram match ending at j < len(h) - 1 (so at least one token follows it): h[j - i] == h[-1 - i]
+        hits = last[last >= n - 1]
+        for i in range(1, n):
+            hits = hits[h[hits - i] == h[-1 - i]]
         if hits.size:
-            ends = hits + n  # where the copied tokens start
+            ends = hits + 1  # where the copied tokens start
             full = ends[ends + k <= len(h)]
             start = int(full[-1]) if full.size else int(ends[0])
             return h[start : start + k].tolist()

@@ -25,7 +25,7 @@ import numpy as np
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.runtime.decoding.generate import GenerationState, Step, length_error
 from gpt2edge.runtime.decoding.row_decoder import RowDecoder
-from gpt2edge.runtime.decoding.sampling import SamplingParams
+from gpt2edge.runtime.decoding.sampling import SamplingParams, apply_processors, greedy_tokens
 from gpt2edge.runtime.model.contract import LM
 from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.lm import OrtGraph
@@ -80,8 +80,11 @@ class DraftLength:
         return ADAPTIVE_MAX if self.adaptive else self.k
 
     def update(self, accepted: int, drafted: int) -> None:
+        """+2 after a step that accepted every draft (transformers' heuristic); after a rejection, one more than
+        were accepted: a verify position costs a third of a step on small quantized targets, and prompt lookup's
+        misses come in runs (a 13-token draft rejected at its first token, then 12, 11, ... under transformers' -1)"""
         if self.adaptive and drafted:
-            self.k = min(self.k + 2, ADAPTIVE_MAX) if accepted == drafted else max(1, self.k - 1)
+            self.k = min(self.k + 2, ADAPTIVE_MAX) if accepted == drafted else max(1, accepted + 1)
 
 
 def check_draft_tokens(k: object) -> int | None:
@@ -219,20 +222,34 @@ def speculative_steps(
 
 def _decide(lp: np.ndarray, draft: Draft, params, history: list[int], n_generated: int, rng: np.random.Generator):
     """Run the rule on (k + 1, V) target log-probs; position i follows history + draft.tokens[:i]."""
-    if np.isnan(lp).any():
-        raise GenerationError(
-            f"The model produced NaN log-probabilities at decode step {n_generated}; generation stopped rather "
-            "than emit garbage (an fp16 overflow or a corrupted model?). Try the fp32 export."
-        )
     penalised = params.uses_history  # repetition penalty, n-gram and bad-word bans read the ids so far
 
     def seen(i: int) -> np.ndarray:
         return np.asarray(history + draft.tokens[:i] if penalised else (), dtype=np.int64)
 
+    if params.greedy and params.min_new_tokens <= n_generated:
+        # past min_new_tokens every row's processors depend on that row's history alone: next_tokens' own
+        # processors and argmax over the (k + 1, V) block at once pick what it picks row by row
+        scores = apply_processors(lp, params, [seen(i) for i in range(len(lp))], n_generated)
+        picks = greedy_tokens(scores)
+        _refuse_nan(lp, n_generated, picks if scores is lp else None)
+        return verify_greedy(lp, draft.tokens, lambda row, i: int(picks[i]))
+    _refuse_nan(lp, n_generated)
     if params.greedy:
         return verify_greedy(lp, draft.tokens, lambda row, i: greedy_token(row, params, seen(i), n_generated + i))
     dist_at = lambda row, i: target_dist(row, params, seen(i), n_generated + i)  # noqa: E731
     return verify_sampled(lp, draft.tokens, draft.q, dist_at, rng)
+
+
+def _refuse_nan(lp: np.ndarray, n_generated: int, argmax: np.ndarray | None = None) -> None:
+    """NaN log-probs stop the generation. `argmax`: each row's argmax over lp itself, when already taken: NumPy's
+    argmax stops at a row's first NaN, so a row holds one exactly when its argmax is one (no second pass)."""
+    nan = np.isnan(lp.min()) if argmax is None else np.isnan(lp[np.arange(len(lp)), argmax]).any()
+    if nan:  # (min is NaN when any entry is: one pass, no (k + 1, V) bool temporary)
+        raise GenerationError(
+            f"The model produced NaN log-probabilities at decode step {n_generated}; generation stopped rather "
+            "than emit garbage (an fp16 overflow or a corrupted model?). Try the fp32 export."
+        )
 
 
 def _draft_masks(matcher, drafts: list[int], eos, shape: tuple) -> np.ndarray:
