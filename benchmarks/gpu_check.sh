@@ -12,7 +12,9 @@ cd "$(dirname "$0")/.."
 out=${1:-out/gpu_check}
 if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
     py=$GPU_CHECK_PYTHON
+    command -v "$py" >/dev/null || { echo "gpu_check: GPU_CHECK_PYTHON=$py: no such python" >&2; exit 1; }
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    "$py" -c "import onnxruntime" 2>/dev/null || { echo "gpu_check: $py cannot import onnxruntime" >&2; exit 1; }
     "$py" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" \
         || { echo "gpu_check: $py's onnxruntime has no CUDA provider" >&2; exit 1; }
 else
