@@ -135,8 +135,8 @@ def test_rollback_gives_the_log_probs_of_the_kept_tokens(targets, kind):
 def test_tail_steps_of_changing_shapes_reuse_their_bindings_and_stay_exact(targets):
     """A tail head on a shared cache keeps one IO binding per step shape (S, keep): verify steps whose k changes
     every step re-bind nothing, and what they return equals a run without IO binding, also after a start that
-    reallocates the cache, a batch of rows, and a tail buffer that grows (every kept binding then points at
-    freed memory and must go)."""
+    reallocates the cache and after the tail buffer grows (every kept binding then points at freed memory and
+    must go)."""
     folder = ModelFolder.open(targets["shared"])
     bound, plain = OrtLM(folder), OrtLM(folder, io_binding=False)
     made = []
