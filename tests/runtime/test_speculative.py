@@ -17,7 +17,7 @@ from gpt2edge.errors import ConvertError, GenerationError, ModelFolderError, Qua
 from gpt2edge.manifest import KEEP_INPUT, load_manifest, write_manifest
 from gpt2edge.runtime import Generator, SamplingParams
 from gpt2edge.runtime.model.folder import ModelFolder
-from gpt2edge.runtime.model.lm import OrtLM
+from gpt2edge.runtime.model.lm import MAX_SHAPE_BINDINGS, OrtLM
 from gpt2edge.runtime.speculative.cache import CachedSequence
 from gpt2edge.runtime.speculative.drafters import lookup
 from gpt2edge.runtime.speculative.rules import check_params
@@ -166,6 +166,15 @@ def test_tail_steps_of_changing_shapes_reuse_their_bindings_and_stay_exact(targe
     assert len(made) == 9
     run(200, [3])
     assert len(made) == 10
+    # endless new shapes (prefills of every length) keep at most MAX_SHAPE_BINDINGS bindings, still exact
+    seqs = [CachedSequence(lm, 64) for lm in (bound, plain)]
+    for S in range(1, MAX_SHAPE_BINDINGS + 9):  # within the tiny model's 128 positions
+        tokens = rng.integers(0, 300, S).tolist()
+        got, want = (np.array(seq.feed(tokens, keep=1)) for seq in seqs)
+        assert np.abs(got - want).max() < 1e-5
+        for seq in seqs:
+            seq.truncate(0)
+        assert len(bound._shape_bindings) <= MAX_SHAPE_BINDINGS
 
 
 class _Spy:
