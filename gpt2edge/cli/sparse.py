@@ -34,7 +34,7 @@ from gpt2edge.sparse.modes import SPARSE_MODES
     "--candidates",
     type=click.IntRange(min=1),  # the upper bound is checked with the folder
     default=None,
-    help="exact: head rows computed per step inside the body graph (1 .. 4096) [default: 256]: more certifies "
+    help="exact: head rows computed per step by the certified step (1 .. 4096) [default: 256]: more certifies "
     "more steps, each a bit slower.",
 )
 @click.option(
@@ -70,7 +70,8 @@ def sparse_head(
     model_dir, out, mode, rank, candidates, clusters, probe, text_file, report_tokens, no_report, force, as_json
 ) -> None:
     """Write a variant of MODEL_DIR whose LM head reads only part of the vocabulary table per step: exact tokens
-    (default), or an approximate head with --mode cluster."""
+    (default), or an approximate head with --mode cluster. The exact head of a --head tail export is a
+    speculative target: each verified position is certified on its own."""
     from gpt2edge.extras import require_extra
 
     require_extra("quantize", "sparse-head")

@@ -84,6 +84,11 @@ def cluster_sparse_head(
 
     d = check_request(src, out, 1, force=force)  # the folder kinds the exact mode refuses are refused here too
     info, src = d.parent, d.src
+    if info.graph.head != "last":  # speculative verification is exact only on the certified head
+        raise SparseHeadError(
+            f"{src} is a --head {info.graph.head} export; --mode cluster serves generation from a --head last export "
+            "(the certified --mode exact takes --head tail exports too, for speculative decoding)."
+        )
     if clusters is None:  # a small vocabulary gets fewer (each cluster at least 2 rows)
         clusters = min(DEFAULT_CLUSTERS, info.dims.vocab_size // 2)
     if probe is None:

@@ -3,8 +3,9 @@ read its table.
 
 Every gpt2edge graph ends  hidden -> head (x @ table^T) -> [Cast] -> LogSoftmax -> [Casts] -> logprobs
 (gpt2edge.trim.graph.find_head). The body graph returns `hidden` (the head's input: the last position after
-ln_f) in place of `logprobs`; the head graph is those last nodes alone, hidden (B, C) -> logprobs (B, V): the
-same ops on the same weights, so it gives the parent's log-probs bit for bit (the runtime's full-head path).
+ln_f; a --head tail graph's kept positions, (B, keep, C)) in place of `logprobs`; the head graph is those last
+nodes alone, hidden (N, C) -> logprobs (N, V), one row per position: the same ops on the same weights, so it
+gives the parent's log-probs bit for bit (the runtime's full-head path).
 """
 
 from __future__ import annotations
@@ -90,13 +91,29 @@ def read_table(head: onnx.NodeProto, inits: dict[str, onnx.TensorProto], vocab_s
             zp = np.full((vocab_size, kb), 1 << (bits - 1), dtype=np.uint8)
         kind = "int8-activations" if level == 4 else "float"
         return HeadTable(kind, None, np.ascontiguousarray(codes), np.ascontiguousarray(zp), scales, bits, bs)
-    raise SparseHeadError(f"The head is a {head.op_type} {a}; the sparse head supports Gemm and MatMulNBits heads.")
+    raise SparseHeadError(
+        f"The head is a {head.op_type} {a}; the sparse head supports Gemm, MatMul(x, Transpose(table)) and "
+        "MatMulNBits heads."
+    )
+
+
+def _transposed_table(g: onnx.GraphProto, head: onnx.NodeProto, inits: dict) -> onnx.NodeProto | None:
+    """The Transpose node of a stored (V, C) table that a MatMul head multiplies by (a --head tail export's fp32
+    head, and --keep-head-fp32), or None."""
+    if head.op_type != "MatMul" or len(head.input) != 2:
+        return None
+    node = next((n for n in g.node if head.input[1] in n.output), None)
+    if node is None or node.op_type != "Transpose" or node.input[0] not in inits:
+        return None
+    perm = [helper.get_attribute_value(a) for a in node.attribute if a.name == "perm"]
+    return node if perm in ([], [[1, 0]]) else None
 
 
 def split_head(
-    model: onnx.ModelProto, vocab_size: int, width: int
+    model: onnx.ModelProto, vocab_size: int, width: int, tail: bool = False
 ) -> tuple[onnx.ModelProto, onnx.ModelProto, HeadTable]:
-    """(body graph returning `hidden` first, head graph hidden -> logprobs, the head's table)."""
+    """(body graph returning `hidden` first, head graph hidden -> logprobs, the head's table). tail: a --head tail
+    graph, whose `hidden` is (batch, keep, C); its head graph still takes rows, (N, C)."""
     g = model.graph
     try:
         head, path = find_head(g)
@@ -104,19 +121,36 @@ def split_head(
         raise SparseHeadError(str(e)) from e
     hidden_in = head.input[0]
     head_outputs = set(path)
-    head_nodes = [n for n in g.node if set(n.output) & head_outputs]
     inits = {i.name: i for i in g.initializer}
-    table = read_table(head, inits, vocab_size, width)
+    table_in = _transposed_table(g, head, inits)
+    if table_in is not None:
+        # a tail export's fp32 head, MatMul(x, Transpose(wte)): the (V, C) table itself; the Transpose goes with it
+        head_outputs.add(table_in.output[0])
+        w = numpy_helper.to_array(inits[table_in.input[0]])
+        if w.dtype != np.float32 or w.shape != (vocab_size, width):
+            raise SparseHeadError(f"The head's table is {w.dtype} {w.shape}, not float32 ({vocab_size}, {width}).")
+        table = HeadTable("float", np.ascontiguousarray(w), None, None, None, 32, 0)
+    else:
+        table = read_table(head, inits, vocab_size, width)
+    head_nodes = [n for n in g.node if set(n.output) & head_outputs]
 
     # the head graph: the cut nodes and the weights they read, on an input named `hidden`
     head_inits = [inits[n] for node in head_nodes for n in node.input if n in inits]
     hnodes = [onnx.NodeProto.FromString(n.SerializeToString()) for n in head_nodes]
     for n in hnodes:
         n.input[:] = [HIDDEN if i == hidden_in else i for i in n.input]
-    out = next(o for o in g.output if o.name == OUTPUT)
-    hidden_info = helper.make_tensor_value_info(HIDDEN, onnx.TensorProto.FLOAT, ["batch", width])
+    for n in hnodes:  # the head graph's rows are (N, V) whatever the parent's rank (the log-softmax's axis last)
+        for attr in n.attribute:
+            if n.op_type == "LogSoftmax" and attr.name == "axis":
+                attr.i = -1
+    elem = next(o for o in g.output if o.name == OUTPUT).type.tensor_type.elem_type
+    out = helper.make_tensor_value_info(OUTPUT, elem, ["batch", vocab_size])
+    rows_info = helper.make_tensor_value_info(HIDDEN, onnx.TensorProto.FLOAT, ["batch", width])
     head_graph = helper.make_graph(
-        hnodes, "gpt2edge_head", [hidden_info], [out], list({i.name: i for i in head_inits}.values())
+        hnodes, "gpt2edge_head", [rows_info], [out], list({i.name: i for i in head_inits}.values())
+    )
+    hidden_info = helper.make_tensor_value_info(
+        HIDDEN, onnx.TensorProto.FLOAT, ["batch", "keep", width] if tail else ["batch", width]
     )
     head_model = helper.make_model(head_graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
 

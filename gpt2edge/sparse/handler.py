@@ -52,10 +52,10 @@ def check_request(
         raise SparseHeadError(f"{src} is a static-shape export (--static); build the sparse head on a dynamic export.")
     if info.graph.format != "onnx":
         raise SparseHeadError(f"{src} is a {info.graph.format} folder; build the sparse head on the .onnx folder.")
-    if info.graph.head != "last":
+    if info.graph.head not in ("last", "tail"):
         raise SparseHeadError(
             f"{src} is a --head {info.graph.head} export; the sparse head serves generation: give a --head last "
-            "export (scoring and speculative verification need every token's log-prob at several positions)."
+            "export, or a --head tail one for speculative decoding (scoring needs every position's log-probs)."
         )
     if info.graph.precision not in ("fp32", "int8", "int4"):
         raise SparseHeadError(f"{src} is {info.graph.precision}; the sparse head runs fp32, int8 and int4 folders.")
@@ -84,9 +84,12 @@ def sparse_head(
     info, src = d.parent, d.src
     d.ready()  # OUT, then every checksum
     V, C = info.dims.vocab_size, info.dims.n_embd
+    # a --head tail graph's hidden is (batch, keep, C): its certified step runs natively, per kept position
+    # (the graph's own step and its in-graph head are written for one (B, C) row a step)
+    tail = info.graph.head == "tail"
     bar_opts = dict(desc="sparse-head", unit="step", file=log, leave=False, disable=None)  # a TTY only
     with tqdm(total=4, **bar_opts) as bar:
-        body, head, table = split_head(onnx.load(str(resolve_inside(src, info.graph.file))), V, C)
+        body, head, table = split_head(onnx.load(str(resolve_inside(src, info.graph.file))), V, C, tail=tail)
         bar.update()
         bounds = bound_table(table.dequantized(), rank)
         bar.update()
@@ -94,10 +97,11 @@ def sparse_head(
         coarse = bounds if rank <= GROUP_RANK else bound_table(table.dequantized(), GROUP_RANK)
         groups = group_rows(coarse, bounds)
         k, m = candidates(candidates_k, groups_for(candidates_k), groups)
-        first = len(body.graph.node)
-        add_fused(body, table, bounds, groups, slack_scale(bounds), k, m)
-        guard_step(body, first, k)  # skipped where the runtime runs the step natively (guard.py)
-        guard_head(body, head)  # the full head in the body's run, for the steps that need it
+        if not tail:
+            first = len(body.graph.node)
+            add_fused(body, table, bounds, groups, slack_scale(bounds), k, m)
+            guard_step(body, first, k)  # skipped where the runtime runs the step natively (guard.py)
+            guard_head(body, head)  # the full head in the body's run, for the steps that need it
         step = step_arrays(bounds, groups, slack_scale(bounds))
         fused = {"candidates": k, "groups": m, "group_size": groups.size, "n_groups": len(groups.members)}
         bar.update()
@@ -126,8 +130,9 @@ def body_graph(info: Manifest, files: list[str], tmp: Path) -> dict[str, Any]:
 
     graph = dict(info.raw["graph"])
     graph.update(files=files, decode_weight_bytes=decode_weight_bytes(tmp / files[0]))
+    rows = ["batch", "keep"] if info.graph.head == "tail" else ["batch"]  # a tail graph's kept positions
     graph["outputs"] = [
-        {"name": "hidden", "dtype": "float32", "shape": ["batch", info.dims.n_embd]} if t.get("name") == "logprobs"
+        {"name": "hidden", "dtype": "float32", "shape": [*rows, info.dims.n_embd]} if t.get("name") == "logprobs"
         else t
         for t in graph.get("outputs", [])
     ]  # fmt: skip
@@ -151,7 +156,7 @@ def _sparse_fields(
         "kind": kind,  # how the head's kernel computes a logit (record.py)
         "rank": rank,
         "bound_file": BOUND_FILE,
-        "fused": fused,  # the body graph's certified step (gpt2edge.sparse.fused)
+        "fused": fused,  # the certified step's sizes: in the body graph (gpt2edge.sparse.fused), native for a tail
         "bound_table_bytes": int((rank + 1) * V * 4),
         "head_table_bytes": int(V * C * (4 if "weight" in arrays else int(arrays["bits"]) / 8)),
     }

@@ -24,13 +24,22 @@ from gpt2edge.serve.scheduling.scheduler import Scheduler  # noqa: E402
 from tests.support.serve import GREEDY, PROMPTS, alone, joined, post, stream_one  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=["tiny_export", "tiny_export_shared"])
+@pytest.fixture(scope="module", params=["tiny_export", "tiny_export_shared", "tail_shared"])
 def sparse_folder(request, tmp_path_factory):
-    """The tiny export (either cache kind) with an exact sparse head (cheap: rank 4, 32 candidates)."""
+    """The tiny export (either cache kind, and a --head tail one: a speculative target's) with an exact sparse
+    head (cheap: rank 4, 32 candidates)."""
+    from gpt2edge.export import export_model
     from gpt2edge.sparse.handler import sparse_head
 
-    out = tmp_path_factory.mktemp("sparse-serve") / f"{request.param}-sparse"
-    sparse_head(request.getfixturevalue(request.param), out, rank=4, candidates_k=32)
+    root = tmp_path_factory.mktemp("sparse-serve")
+    if request.param == "tail_shared":
+        src = root / "tail-shared"
+        ckpt = request.getfixturevalue("tiny_checkpoint")
+        export_model(str(ckpt), src, kv_cache="shared", head="tail", run_validation=False, log=None)
+    else:
+        src = request.getfixturevalue(request.param)
+    out = root / f"{request.param}-sparse"
+    sparse_head(src, out, rank=4, candidates_k=32)
     return out
 
 
@@ -72,7 +81,10 @@ def test_the_body_s_own_head_and_head_onnx_give_the_same_rows(sparse_folder):
     `hidden` for folders without one) agree, and match the Generator's full-head log-probs."""
     graph = Generator(sparse_folder).graph
     in_graph, by_file = SlotLM(graph, 2), SlotLM(graph, 2)
-    assert in_graph.output == "logprobs" and in_graph.head is None  # this build has the head in the body graph
+    if graph.tail:  # a tail body holds no copy of the head: its rows come from head.onnx on `hidden`
+        assert in_graph.output == "hidden" and in_graph.head == graph.full_head
+    else:  # this build has the head in the body graph
+        assert in_graph.output == "logprobs" and in_graph.head is None
     by_file.output, by_file.head = "hidden", graph.full_head
     by_file.switches = {n: np.array(n != "sparse_step") for n in by_file.switches}
     prompts = [[5, 17, 42], [3]]  # the tiny vocabulary has 400 tokens

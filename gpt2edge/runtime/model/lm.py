@@ -328,11 +328,12 @@ class OrtLM(CacheRows):
         lp = self._logprobs
         B = len(self._inputs["input_ids"])
         if self.graph.keeps and self.device == "cpu":  # tail head: (B, keep, V) into our own flat buffer
-            size = B * keep * self.vocab_size
+            width = self.graph.output_width  # V, or a sparse-head body's hidden width
+            size = B * keep * width
             if self._tail.size < size:  # room for TAIL_ROWS positions of a row at least: a changing k allocates once
-                self._tail = np.empty(max(size, TAIL_ROWS * self.vocab_size), dtype=np.float32)
+                self._tail = np.empty(max(size, TAIL_ROWS * width), dtype=np.float32)
                 self._shape_bindings.clear()  # they write into the buffer replaced here
-            self._logprobs = lp = self._tail[:size].reshape(B, keep, self.vocab_size)
+            self._logprobs = lp = self._tail[:size].reshape(B, keep, width)
             b.bind_output(self.graph.output, "cpu", 0, np.float32, list(lp.shape), lp.ctypes.data)
         elif lp is None:  # head "all" (B, S, V), or a tail head on CUDA: the shape varies, ORT allocates it
             b.bind_output(self.graph.output, ORT_DEVICE[self.device])

@@ -49,9 +49,11 @@ class FusedReader:
         b = self.body.binding
         if b is None:
             return False
-        if self.native:  # the body graph's own step is switched off (read by address at every run)
+        if self.native and STEP_INPUT in self.body.switches:  # the graph's own step off (read by address each run)
             self.body.switches[STEP_INPUT][...] = False
-        if B != self.B:
+        # native buffers hold at least B rows (a tail body's verify steps change B * keep nearly every step: no
+        # (B, V) row buffer is re-made for fewer rows); the graph's outputs are bound at exactly B
+        if B > self.B or (B != self.B and not self.native):
             self.ids = np.zeros((B, self.K), dtype=np.int64)
             self.logits = np.empty((B, self.K), dtype=np.float64)
             self.bar = np.empty((B, 1), dtype=np.float64)

@@ -104,10 +104,15 @@ class SparseGraph(BodyGraph):
         # K when the body graph computes the certified step itself (fused.py), after its own check; the step runs
         # natively (native.py) where the library is built and the graph can skip its own
         outputs = {o.name for o in body.session.get_outputs()}
-        self.fused_k = rec.candidates if rec.candidates and IDS in outputs and self.certify else None
+        # a --head tail body (speculative verify: hidden (B, keep, C)) has no step of its own: native only
+        self.tail = body.keeps
+        in_graph = IDS in outputs or (self.tail and LIBRARY is not None)
+        self.fused_k = rec.candidates if rec.candidates and in_graph and self.certify else None
         self.step_arrays = None
-        if self.fused_k and STEP_INPUT in body.switches and rec.groups and LIBRARY is not None:
+        if self.fused_k and (STEP_INPUT in body.switches or self.tail) and rec.groups and LIBRARY is not None:
             self.step_arrays = load_step_arrays(self.table_path, d.vocab_size, d.n_embd, rec.rank)
+        if self.fused_k and self.tail and self.step_arrays is None:
+            self.fused_k = None  # the NumPy path (_select), row by row
         if self.fused_k and not self._check_fused():
             self.fused_k = None
 
@@ -175,7 +180,7 @@ class SparseGraph(BodyGraph):
                 f"another model, or edited); {FIX}."
             )
         err = float(np.abs(exact[f.ids[0]] - f.logits[0]).max())
-        if err > FUSED_TOL and lm.native is not None:  # the native step is off: the graph's own, checked again
+        if err > FUSED_TOL and lm.native is not None and not self.tail:  # native off: the graph's own, checked again
             self.step_arrays = None
             return self._check_fused()
         if err > FUSED_TOL:
@@ -229,7 +234,8 @@ class SparseLM(BodyLM):
     def forward(self, input_ids, attention_mask, position_ids, keep: int | None = None) -> np.ndarray:
         # the sparse outputs stay bound at the batch size of every run (beam search grows it), used or not
         B, S = input_ids.shape
-        armed = self.fused is not None and self.fused.arm(B)
+        # a tail body's step returns `keep` rows a sequence, each certified on its own
+        armed = self.fused is not None and self.fused.arm(B * (keep or 1) if self.graph.tail else B)
         fused = armed and self.k is not None and self.k < self.fused.K and bool(self.graph.fused_k)
         # the full head in the body's own run (guard.py): for calls that need it, and after uncertified steps
         in_graph = armed and self.fused.head_in_graph and not self.body.runs_by_row(B, S)
@@ -241,38 +247,44 @@ class SparseLM(BodyLM):
         if in_graph:
             self.fused.switch_head(full, B)
         h = self.body.forward(input_ids, attention_mask, position_ids, keep)
-        if keep is not None:  # a last-position graph: keep is 1 (OrtLM refuses more)
+        if keep is not None and not self.graph.tail:  # a last-position graph: keep is 1 (OrtLM refuses more)
             h = h[:, -1]
         lp = self.fused.full_logprobs(B) if full else None
         if lp is not None:
             self.graph.count(steps=B, **{"skipped" if skipped else "full": B})
             return lp if keep is None else lp[:, None]
+        shape = h.shape[:-1]  # (B,), or a tail body's (B, keep): each kept position is a row of its own
+        h = h.reshape(-1, h.shape[-1])  # (N, C), a view
         if fused and self.native is not None:
             self.native.certify(h, self.fused.ids, self.fused.logits, self.fused.bar, self.fused.read, self.k)
-        rows = self._head_fused(h) if fused else self._head(h)
-        return rows if keep is None else rows[:, None]
+        rows = self._head_fused(h) if fused else self._head(h)  # (N, V)
+        return rows.reshape(*shape, -1) if keep is None or self.graph.tail else rows[:, None]
 
     def _head_fused(self, h: np.ndarray) -> np.ndarray:
         """(B, C) hidden -> (B, V) rows from the body graph's certified step; a row it cannot certify runs the
         full head (its log-probs)."""
         f, g = self.fused, self.graph
-        certified = read = 0
+        read = 0
         if self.native is not None:  # the check and the rows in the native call too
             self.native.rows(f, len(h), self.k)
+        missed = []
         for b in range(len(h)):
             if f.ok[b] if self.native is not None else f.certified(b, self.k):
                 if self.native is None:
                     f.row(b)
-                certified += 1
                 read += int(f.read[b])
             else:
-                f.full_row(b, g.full_head(h[b : b + 1])[0])
-        g.count(steps=len(h), certified=certified, fallbacks=len(h) - certified, rows_read=read)
+                missed.append(b)
+        if missed:  # one run of the full head for every row it must serve (a verify step's positions)
+            for b, lp in zip(missed, g.full_head(h[missed])):
+                f.full_row(b, lp)
+        certified = len(h) - len(missed)
+        g.count(steps=len(h), certified=certified, fallbacks=len(missed), rows_read=read)
         # after an uncertified step the next ones run the full head in the body's run, 1, 2, 4 ... MAX_SKIP of them
         # while they keep failing (top-k 40 almost never certifies); a certified step starts over
         self._backoff = 0 if certified == len(h) else min(max(1, 2 * self._backoff), MAX_SKIP)
         self._skip = self._backoff
-        return f.rows
+        return f.rows[: len(h)]  # the reader's buffers may hold more rows (fused.py arm)
 
     def _head(self, h: np.ndarray) -> np.ndarray:
         """(B, C) hidden -> (B, V) rows: log-probs from the full head, or certified sparse rows."""

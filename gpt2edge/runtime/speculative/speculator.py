@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from gpt2edge.errors import GenerationError, ModelFolderError
-from gpt2edge.runtime.decoding.generate import GenerationState, Step, length_error
+from gpt2edge.runtime.decoding.generate import GenerationState, Step, configure_head, length_error
 from gpt2edge.runtime.decoding.row_decoder import RowDecoder
 from gpt2edge.runtime.decoding.sampling import SamplingParams, apply_processors, greedy_tokens
 from gpt2edge.runtime.model.contract import LM
@@ -159,6 +159,7 @@ class Speculator:
             else:
                 drafter = ModelDrafter(draft_lm, total + most + 1, room)
             target = CachedSequence(lm, total + most + 1, room)
+            configure_head(lm, state)  # a sparse head certifies each verify position the call allows (greedy, top-k)
             yield from speculative_steps(target, drafter, tokenizer, state, lengths)
 
 
