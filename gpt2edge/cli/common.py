@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import math
 import sys
@@ -123,9 +124,52 @@ def warnings_to_stderr():
                 click.echo(f"warning: {w.message}", err=True)
 
 
+# the module that defines each command (it registers the command when imported): a run imports its command's
+# module only, so `gpt2edge generate` loads neither the exporter's nor the server's trees (a cold start's imports);
+# tests/cli/test_cli_lazy.py checks this table against what the modules register
+COMMAND_MODULES = {
+    "export": "folders",
+    "random-checkpoint": "folders",
+    "quantize": "folders",
+    "convert": "folders",
+    "trim-vocab": "folders",
+    "generate": "generate",
+    "parity": "measure",
+    "bench": "measure",
+    "score": "measure",
+    "serve": "serve",
+    "sparse-head": "sparse",
+}
+
+
+def import_command_module(module: str) -> None:
+    importlib.import_module(f"gpt2edge.cli.{module}")
+
+
 class Gpt2EdgeGroup(click.Group):
     """The command group: Ctrl-C anywhere in a command ends it with `[interrupted]` and status 130 (click's own
-    handling says "Aborted!" with status 1), and a closed stdout is refused before any work."""
+    handling says "Aborted!" with status 1), and a closed stdout is refused before any work. A command's module
+    is imported when that command runs (COMMAND_MODULES); reading `commands` (help, listings) imports them all."""
+
+    @property
+    def commands(self) -> dict[str, click.Command]:
+        for module in dict.fromkeys(COMMAND_MODULES.values()):
+            import_command_module(module)
+        return self._commands
+
+    @commands.setter
+    def commands(self, value: dict[str, click.Command]) -> None:
+        self._commands = value
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        # a module registering its command as it is imported: straight into the table (reading `commands` here
+        # would import every other module)
+        self._commands[name or cmd.name] = cmd
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in COMMAND_MODULES:
+            import_command_module(COMMAND_MODULES[cmd_name])
+        return self._commands.get(cmd_name)
 
     def invoke(self, ctx: click.Context):
         check_stdout()

@@ -15,7 +15,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 from pathlib import Path
 
 # .NAME.tmp-HOST-PID-START-RANDOM: HOST tells folders of other machines (or containers) apart, START (the
@@ -25,6 +24,8 @@ _TEMP_RE = re.compile(r"^\..*\.(tmp|old|del)-([0-9a-f]{8})-(\d+)-(\d+)-[0-9a-f]+
 
 def host_tag() -> str:
     """This host's tag in a temp folder's name (a stale folder is cleaned only by the host that made it)."""
+    import socket  # here: only a write needs it, and every start that opens a folder would pay its import
+
     return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 
 
