@@ -82,9 +82,7 @@ def generate(
     """
     from gpt2edge.cli.escapes import process_escapes
     from gpt2edge.prompt_input import collect_prompts, read_prompt_file
-    from gpt2edge.runtime import Generator
-    from gpt2edge.runtime.call_params import CONFIG_KEYS
-    from gpt2edge.runtime.decoding.beam import search_params
+    from gpt2edge.runtime.open_model import GraphLoading
 
     files = prompt_files + batch_files
     constraint = constraint_of(json_schema, json_object, regex, grammar, choice)  # read and checked before the model
@@ -105,7 +103,19 @@ def generate(
         speculative = dict(draft=draft, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)
         verify = verify_mode(no_verify, full_verify)
         with warnings_to_stderr():
-            gen = Generator(model_dir, device=device, threads=threads, verify=verify, **speculative)
+            # the graph loads on a thread while the decoding modules are imported (a cold start: GraphLoading)
+            loading = GraphLoading(model_dir, verify, device=device, threads=threads, spin=draft is None)
+            try:
+                from gpt2edge.runtime.generator import Generator
+
+                gen = Generator(model_dir, device=device, threads=threads, verify=verify, loading=loading,
+                                **speculative)  # fmt: skip
+            except BaseException:
+                loading.wait()  # no session left building while the error (or Ctrl-C) ends the process
+                raise
+        from gpt2edge.runtime.call_params import CONFIG_KEYS
+        from gpt2edge.runtime.decoding.beam import search_params
+
         if getattr(gen.graph, "approximate", None):  # sparse-head --mode cluster: say so before any output
             click.echo(f"note: {model_dir} has an approximate LM head ({gen.graph.rec.mode}): not the model's own "
                        "distribution", err=True)  # fmt: skip
@@ -163,13 +173,15 @@ def generate(
 def constraint_of(json_schema, json_object, regex, grammar, choice):
     """The one constraint the flags ask for (None for none); two at once is a usage error. A --json-schema value
     that names an existing file is read from it, else it is the schema's text."""
-    from gpt2edge.runtime.constraints import Constraint
-
     given = {"--json-schema": json_schema, "--json-object": json_object or None, "--regex": regex}
     given.update({"--grammar": grammar, "--choice": list(choice) or None})
     named = [k for k, v in given.items() if v is not None]
     if len(named) > 1:
         raise click.UsageError(f"Give one constraint at a time, not {' and '.join(named)}.")
+    if not named:
+        return None  # and the decoding modules the constraints import load later, beside the graph (GraphLoading)
+    from gpt2edge.runtime.constraints import Constraint
+
     if json_schema is not None:
         text = _read_text(Path(json_schema), "--json-schema") if _is_file(json_schema) else json_schema
         return Constraint.json_schema(text)

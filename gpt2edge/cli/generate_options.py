@@ -13,7 +13,7 @@ import click
 
 from gpt2edge.cli.common import DEVICE_HELP, DEVICES, FULL_VERIFY_HELP, SEEDS, THREADS, THREADS_HELP, finite_range
 from gpt2edge.prompt_input import FORMATS
-from gpt2edge.runtime.decoding.beam import EARLY_STOPPING_NAMES
+from gpt2edge.runtime.decoding.sampling_params import EARLY_STOPPING_NAMES
 
 
 class _BiasPair(click.ParamType):

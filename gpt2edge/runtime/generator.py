@@ -29,7 +29,7 @@ from gpt2edge.runtime.model.folder import ModelFolder
 from gpt2edge.runtime.model.memory_plan import check_generation_memory, check_session_memory
 from gpt2edge.runtime.model.pool import LMPool, check_max_contexts
 from gpt2edge.runtime.model.tokenizer import TextTokenizer
-from gpt2edge.runtime.open_model import load_graph
+from gpt2edge.runtime.open_model import GraphLoading, load_graph
 from gpt2edge.runtime.request import GenerationRequest, resolve, resolved
 from gpt2edge.runtime.results import GenerationResult, results_of
 from gpt2edge.runtime.speculative.speculator import SpecState, Speculator
@@ -68,6 +68,7 @@ class Generator:
         spin: bool = True,
         deterministic: bool = False,
         prefix_cache_bytes: int = 0,
+        loading: GraphLoading | None = None,
     ) -> None:
         """draft / prompt_lookup / draft_tokens: speculative decoding (gpt2edge.runtime.speculative.speculator): a draft
         model folder with the target's tokenizer, or the longest n-gram prompt lookup matches; draft_tokens
@@ -81,7 +82,10 @@ class Generator:
         it gets alone (a batch's rows differ from them in the last bits: docs/generate.md; slower).
         prefix_cache_bytes: keep the KV of earlier prompts and generations, up to this many bytes, and reuse a
         new prompt's longest cached prefix instead of prefilling it (generate/stream of one prompt and one
-        sequence, and session() turns; not with speculative decoding). 0: off. Outputs are the same."""
+        sequence, and session() turns; not with speculative decoding). 0: off. Outputs are the same.
+        loading: the graph of model_dir already loading (gpt2edge.runtime.open_model.GraphLoading, started with
+        this verify, device, threads and spin; the CLI starts it before importing this module), used instead of
+        opening and loading the folder here."""
         check_max_contexts(max_contexts, context_wait_s)  # before the model loads
         if deterministic and prefix_cache_bytes:
             raise GenerationError(
@@ -89,10 +93,23 @@ class Generator:
                 "another call's prefill, not computed as this prompt's own; pass one of them."
             )
         model_dir = path_arg(model_dir, "model_dir")
-        self.folder = ModelFolder.open(model_dir, verify=verify)
-        self.tokenizer = TextTokenizer(self.folder.tokenizer_path, self.folder.dims.vocab_size)
         # a draft model alternates with this graph token by token: idle threads must not spin (session.py)
-        self.graph: Graph = load_graph(self.folder, device=device, threads=threads, spin=spin and draft is None)
+        options = dict(device=device, threads=threads, spin=spin and draft is None)
+        if loading is not None and (loading.folder.path, loading.verify, loading.options) != (
+            model_dir, verify, options
+        ):
+            raise GenerationError(
+                f"loading= was started for {loading.folder.path} with verify={loading.verify!r} and "
+                f"{loading.options}, not for this call's {model_dir} with verify={verify!r} and {options}."
+            )
+        self.folder = ModelFolder.open(model_dir, verify=verify) if loading is None else loading.folder
+        try:
+            self.tokenizer = TextTokenizer(self.folder.tokenizer_path, self.folder.dims.vocab_size)
+        except Exception:
+            if loading is not None:
+                loading.wait()  # said once the session is no longer being built (the error, not the graph's)
+            raise
+        self.graph: Graph = load_graph(self.folder, **options) if loading is None else loading.result()
         self._pool = LMPool(self.graph, io_binding=io_binding, max_contexts=max_contexts, wait_s=context_wait_s)
         self.lm: LM = self._pool.primary  # the context sequential calls use
         self.deterministic = deterministic

@@ -1,8 +1,13 @@
 """The one factory that opens a folder's graph: the kind its manifest names (a static export, a sparse or an
 approximate head, or the plain dynamic graph). It sits above runtime/model and runtime/sparse_head, so the model
-room imports nothing from the sparse head's; every caller gets a runtime/model/contract.py Graph."""
+room imports nothing from the sparse head's; every caller gets a runtime/model/contract.py Graph. GraphLoading
+starts that load on a thread, for a caller with other work to do meanwhile (the CLI: its imports)."""
 
 from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from pathlib import Path
 
 from gpt2edge.runtime.model.contract import Graph
 from gpt2edge.runtime.model.folder import ModelFolder
@@ -29,3 +34,39 @@ def load_graph(
     if isinstance(rec, dict) and rec.get("mode", "exact") != "exact":
         return ApproxGraph(body, device=device, threads=threads, spin=spin)
     return SparseGraph(body, device=device, threads=threads, spin=spin)
+
+
+class GraphLoading:
+    """A folder opened (checked on the caller's thread: its errors come first) and its graph loading on a thread
+    from then on, for Generator(loading=...).
+
+    ONNX Runtime builds a session (parsing, optimizing, pre-packing the weights) without holding the GIL, so Python
+    work on the caller's thread runs on the other core meanwhile: `gpt2edge generate` starts one before it
+    imports the decoding modules, which then cost no wall time (a GPT-2 small int8 cached start: ~0.2 s of
+    session hidden behind them; benchmarks/README.md, **Cold start**). ONNX Runtime takes the GIL back once,
+    between reading the graph and initializing it, so a call that holds the GIL for long (tokenizers loading
+    tokenizer.json) belongs after such imports, not right after the start. `options` are load_graph's."""
+
+    def __init__(self, model_dir: str | Path, verify: bool | str = True, **options) -> None:
+        self.folder = ModelFolder.open(model_dir, verify=verify)
+        self.verify = verify
+        self.options = options
+        self._graph: Future[Graph] = Future()
+        # daemon: a Ctrl-C that ends the process does not wait for the session to be built
+        self._thread = threading.Thread(target=self._load, name="gpt2edge-load-graph", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        try:
+            self._graph.set_result(load_graph(self.folder, **self.options))
+        except BaseException as e:  # raised on the caller's thread by result()
+            self._graph.set_exception(e)
+
+    def result(self) -> Graph:
+        """The graph, once loaded (the load's own error if it failed)."""
+        return self._graph.result()
+
+    def wait(self) -> None:
+        """Return once the load has ended, loaded or failed (an error path that must not leave ONNX Runtime
+        building a session while the process exits)."""
+        self._graph.exception()

@@ -82,7 +82,7 @@ def library_choices() -> dict[tuple[str, str], tuple]:
     from gpt2edge.quantize.handler import ACCURACY_LEVELS, HEAD_BITS, MODES
     from gpt2edge.quantize.primitives import BLOCK_SIZES
     from gpt2edge.quantize.targets import TARGET_CHOICES
-    from gpt2edge.runtime.decoding.beam import EARLY_STOPPING_NAMES
+    from gpt2edge.runtime.decoding.sampling_params import EARLY_STOPPING_NAMES
     from gpt2edge.runtime.model.ort_session import PROVIDERS
     from gpt2edge.runtime.score import METHODS
     from gpt2edge.serve.config import SCHEDULERS

@@ -20,14 +20,12 @@ from gpt2edge.runtime.decoding.beam_search import BeamSearch
 from gpt2edge.runtime.decoding.expand import prefill_expanded
 from gpt2edge.runtime.decoding.generate import GenerationState, Step, decode_one_token
 from gpt2edge.runtime.decoding.sampling import SamplingParams, apply_processors
-from gpt2edge.runtime.decoding.sampling_params import _is_int, _is_real
+from gpt2edge.runtime.decoding.sampling_params import _EARLY_STOPPING, _is_int, _is_real
 from gpt2edge.runtime.model.columns import Columns, lm_columns
 from gpt2edge.runtime.model.contract import LM
 from gpt2edge.runtime.model.tokenizer import TextStream, TextTokenizer
 
 SEARCH_KEYS = ("num_beams", "num_return_sequences", "length_penalty", "early_stopping")
-_EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
-EARLY_STOPPING_NAMES = tuple(_EARLY_STOPPING)  # what the CLI's --early-stopping takes
 
 
 @dataclass(frozen=True)

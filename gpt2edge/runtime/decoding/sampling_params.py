@@ -9,6 +9,11 @@ import numpy as np
 
 from gpt2edge.errors import GenerationError
 
+# beam search's early_stopping values by name (transformers': True, False, "never"), here beside the other options'
+# definitions so that the CLI declares --early-stopping without importing the decoding loops
+_EARLY_STOPPING = {"true": True, "false": False, "never": "never"}
+EARLY_STOPPING_NAMES = tuple(_EARLY_STOPPING)  # what the CLI's --early-stopping takes
+
 
 def _is_int(v: object) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
