@@ -8,7 +8,9 @@ rounds under the bench lock, the page cache warm (each command runs once before 
 gpt2edge variants: `nocache` (GPT2EDGE_GRAPH_CACHE=0: ONNX Runtime optimizes the graph at every start, as before
 the optimized-graph cache), `cached` (the cache filled by the warm-up run), `first` (an empty cache each round:
 this start optimizes and saves), `full` (`--verify`: every folder file and the cache entry hashed). Every
-variant's folder check is the verified record's fast one except `full`. The first token is the moment the
+variant's folder check is the verified record's fast one except `full`. `--tree NAME=PATH` (repeatable) runs every
+gpt2edge cell from that source tree as well (`python -m gpt2edge.cli` with PYTHONPATH=PATH, its modules compiled
+first), its rows named `NAME:variant`: a before/after of a change in one run. The first token is the moment the
 child's stdout grows past the prompt it echoes (both programs print the prompt, then stream tokens).
 """
 
@@ -46,7 +48,7 @@ def cpu_name() -> str:
 def timed(cmd: list[str], env: dict, echo: int) -> dict:
     """Seconds to the first byte past the `echo` bytes of prompt cmd prints, to exit, and its peak RSS; for
     `gpt2edge serve`, health_ready."""
-    if cmd[1] == "serve":
+    if "serve" in cmd[:4]:  # gpt2edge serve, or python -m gpt2edge.cli serve
         return health_ready(cmd, env, int(cmd[cmd.index("--port") + 1]))
     log = tempfile.TemporaryFile()  # a file, not a pipe: llama.cpp logs its load there (a full pipe blocks it)
     t0 = time.perf_counter()
@@ -86,6 +88,11 @@ def health_ready(cmd: list[str], env: dict, port: int) -> dict:
     return {"first_s": ready, "total_s": ready, "rss_mb": usage.ru_maxrss / 1024}
 
 
+def bare(variant: str) -> str:
+    """A variant without its tree's prefix (`base:cached` -> `cached`)."""
+    return variant.rsplit(":", 1)[-1]
+
+
 def folder_bytes(path: str) -> int:
     p = Path(path)
     return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
@@ -101,6 +108,7 @@ def main() -> None:
     ap.add_argument("-n", "--new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gpt2edge", default=shutil.which("gpt2edge") or "gpt2edge")
+    ap.add_argument("--tree", action="append", default=[], help="NAME=PATH of another gpt2edge source tree to time")
     ap.add_argument("--json", help="also write every run here (JSON lines)")
     ap.add_argument(
         "--health",
@@ -113,19 +121,27 @@ def main() -> None:
     base = {**os.environ, "GPT2EDGE_CACHE_DIR": cache}
     echo = len(PROMPT.encode())
     runs: list[tuple[str, str, str, list[str], dict]] = []  # (cell, variant, source, cmd, env)
+    trees = [("", [args.gpt2edge], {})]  # (row prefix, the command, its environment)
+    for tree in args.tree:
+        name, path = tree.split("=", 1)
+        # this host may set PYTHONDONTWRITEBYTECODE: compile once, as an installed wheel would have
+        subprocess.run([sys.executable, "-m", "compileall", "-q", f"{path}/gpt2edge"], check=True)
+        trees.append((f"{name}:", [sys.executable, "-m", "gpt2edge.cli"], {"PYTHONPATH": path}))
     for cell in args.cell:
         label, folder = cell.split("=", 1)
-        gen = [args.gpt2edge, "generate", folder, "-p", PROMPT, "-n", str(args.new_tokens), "--greedy"]
-        gen += ["-t", str(args.threads), "--ignore-eos"]
-        for v in args.variants.split(","):
-            env = {**base, "GPT2EDGE_GRAPH_CACHE": "0" if v == "nocache" else "1"}
-            runs.append((label, v, folder, gen + (["--verify"] if v == "full" else []), env))
-            if label in args.health:
-                with socket.socket() as sock:  # a free port for this cell's server
-                    sock.bind(("127.0.0.1", 0))
-                    port = sock.getsockname()[1]
-                serve = [args.gpt2edge, "serve", folder, "--port", str(port), "-t", str(args.threads)]
-                runs.append((label, f"{v} /health", folder, serve + (["--verify"] if v == "full" else []), env))
+        for prefix, program, tree_env in trees:
+            gen = [*program, "generate", folder, "-p", PROMPT, "-n", str(args.new_tokens), "--greedy"]
+            gen += ["-t", str(args.threads), "--ignore-eos"]
+            for v in args.variants.split(","):
+                env = {**base, **tree_env, "GPT2EDGE_GRAPH_CACHE": "0" if v == "nocache" else "1"}
+                runs.append((label, prefix + v, folder, gen + (["--verify"] if v == "full" else []), env))
+                if label in args.health:
+                    with socket.socket() as sock:  # a free port for this cell's server
+                        sock.bind(("127.0.0.1", 0))
+                        port = sock.getsockname()[1]
+                    serve = [*program, "serve", folder, "--port", str(port), "-t", str(args.threads)]
+                    serve += ["--verify"] if v == "full" else []
+                    runs.append((label, f"{prefix}{v} /health", folder, serve, env))
     for cell in args.gguf:
         label, gguf = cell.split("=", 1)
         cmd = [args.llama, "-m", gguf, "-n", str(args.new_tokens), PROMPT]
@@ -137,12 +153,12 @@ def main() -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for cell, v, _, cmd, env in runs:  # page cache warm, verify records and graph cache filled
             t = timed(cmd, env, echo)
-            if v in ("cached", "cached /health"):  # this run filled the cache: a first start, once
+            if bare(v) in ("cached", "cached /health"):  # this run filled the cache: a first start, once
                 results.setdefault((cell, v.replace("cached", "first (warm-up, 1 run)")), []).append(t)
         b0, w0 = busy_ticks(), time.monotonic()
         for r in range(args.rounds):
             for cell, v, _, cmd, env in runs if r % 2 == 0 else runs[::-1]:  # interleaved, order alternating
-                if v == "first":
+                if bare(v) == "first":
                     shutil.rmtree(Path(cache) / "graphs", ignore_errors=True)
                 t = timed(cmd, env, echo)
                 results[(cell, v)].append(t)
