@@ -102,37 +102,6 @@ def test_second_start_loads_the_cached_graph_with_identical_outputs(kinds, kind,
     np.testing.assert_array_equal(first_lp, fresh_lp)
 
 
-
-def private_copy(kinds, kind, tmp_path, monkeypatch):
-    monkeypatch.setenv("GPT2EDGE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(verified, "SETTLE_NS", 50_000_000)
-    folder = tmp_path / "model"
-    shutil.copytree(kinds[kind], folder)
-    time.sleep(0.1)
-    return folder
-
-
-@pytest.mark.parametrize("kind", ["fp32", "int8", "int4"])
-def test_matmulnbits_entries_carry_their_prepacked_weights(kinds, kind, tmp_path, monkeypatch):
-    """int8 / int4 entries hold each MatMulNBits weight as ONNX Runtime pre-packed it (a later start maps it
-    instead of packing again); fp32's packed SGEMM copies would double the entry and load slower, so not there."""
-    folder = private_copy(kinds, kind, tmp_path, monkeypatch)
-    run(folder)
-    graph = (entry_dir(folder) / "model.onnx").read_bytes()
-    assert (b"prepacked_" in graph) == (kind != "fp32")
-
-
-def test_a_tampered_prepacked_entry_is_caught_by_full_verify_and_rebuilt(kinds, tmp_path, monkeypatch):
-    folder = private_copy(kinds, "int4", tmp_path, monkeypatch)
-    fresh_ids, fresh_lp = run(folder, cache="0")
-    run(folder)
-    flip_and_forge(entry_dir(folder))
-    graph, said = load(folder, verify="full")
-    assert len(said) == 1 and "does not match the sha256" in said[0] and not used_cache(graph)
-    ids, lp = run(folder)  # the rebuilt entry
-    assert used_cache(load(folder)[0]) and ids == fresh_ids
-    np.testing.assert_array_equal(lp, fresh_lp)
-
 def test_the_folder_is_never_written(folder):
     before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     os.chmod(folder, 0o555)  # read-only media (root may still write: the listing below is the check)

@@ -29,13 +29,6 @@ MAX_THREADS = max(os.cpu_count() or 1, 256)
 # transformer folds each cast into an fp32 copy of the weight kept beside the fp16 one (an fp16 gpt2-large session
 # peaked at 4.85 GB for 1.5 GB of fp16 weights). A lean session keeps the casts as runtime ops instead.
 FP16_FOLDING = "FuseFp16InitializerToFp32NodeTransformer"
-# ONNX Runtime's session config key: the cached optimized graph (graph_cache) also stores each weight as its kernel
-# pre-packed it, and a later start maps those instead of packing again. Kept for the MatMulNBits precisions only:
-# on trained-gpt2-py and the GPT-2 small shape int8 / int4 a cached session then starts in about half the time
-# (the same outputs, bit for bit: tests/runtime/test_graph_cache.py), while fp32's packed SGEMM copies doubled the
-# saved data to 0.99 GB on the small shape and loaded slower (0.78 against 0.57 s: benchmarks/README.md)
-SAVE_PREPACKED_KEY = "session.save_external_prepacked_constant_initializers"
-PREPACKED_PRECISIONS = ("int8", "int4")
 # ONNX Runtime's KleidiAI kernels (ONNX Runtime's session config key, documented in its
 # onnxruntime_session_options_config_keys.h) are turned off in two cases (docs/arm.md):
 # - a CPU with SME: under emulated SME (QEMU `max`) DynamicQuantizeMatMul's SME2 path gave wrong sums where MLAS's own
@@ -191,15 +184,13 @@ def create_session(
     providers = [PROVIDERS[device]] if device == "cpu" else [PROVIDERS[device], PROVIDERS["cpu"]]
     if cache is not None and device == "cpu" and model_format == "onnx" and not lean and graph_cache.enabled():
         # the options that change what the optimizers write name the entry (threads and spinning do not)
-        prepacked = precision in PREPACKED_PRECISIONS
         options = (
             ("level", "all"),
             ("disabled", ",".join(disabled)),
             (KLEIDIAI_KEY, str(kleidiai_off(recipe=kleidiai))),
-            *((("prepacked", "1"),) if prepacked else ()),
         )
         entry = dataclasses.replace(cache, options=options)
-        sess = cached_session(entry, graph, opts, providers, disabled, prepacked)
+        sess = cached_session(entry, graph, opts, providers, disabled)
     else:
         sess = _session(graph, source, opts, providers, disabled, device)
     if PROVIDERS[device] not in sess.get_providers():
@@ -222,13 +213,11 @@ def _session(graph: Path, source: str | bytes, opts, providers: list[str], disab
 
 
 def cached_session(
-    entry: GraphCache, graph: Path, opts: ort.SessionOptions, providers: list[str], disabled: list[str],
-    prepacked: bool = False,
-) -> ort.InferenceSession:  # fmt: skip
+    entry: GraphCache, graph: Path, opts: ort.SessionOptions, providers: list[str], disabled: list[str]
+) -> ort.InferenceSession:
     """A session of the cached optimized graph when `entry` holds a usable one (loaded at ORT_DISABLE_ALL: it is
     optimized already, its weights mapped from the cache file); else a session of `graph` that saves its
-    optimized graph into the cache for the next start. prepacked: the saved graph carries its weights as
-    pre-packed too (SAVE_PREPACKED_KEY), which the later sessions map instead of packing them again."""
+    optimized graph into the cache for the next start."""
     cached = entry.usable()
     if cached is not None:
         level = opts.graph_optimization_level
@@ -245,8 +234,7 @@ def cached_session(
             opts.graph_optimization_level = level
     try:
         before = entry.key()
-        # the saved weights: a copy of the graph's, and as much again pre-packed
-        tmp = entry.writer((2 if prepacked else 1) * sum(os.path.getsize(p) for p in entry.source_paths()))
+        tmp = entry.writer(sum(os.path.getsize(p) for p in entry.source_paths()))
     except OSError:  # a source that cannot be stat'ed: ONNX Runtime's load names it
         tmp = None
     if tmp is not None:
@@ -255,8 +243,6 @@ def cached_session(
         opts.add_session_config_entry(
             "session.optimized_model_external_initializers_min_size_in_bytes", str(graph_cache.EXTERNAL_MIN_BYTES)
         )
-        if prepacked:
-            opts.add_session_config_entry(SAVE_PREPACKED_KEY, "1")
     try:
         sess = _session(graph, str(graph), opts, providers, disabled, "cpu")
     except ModelFolderError:
