@@ -73,7 +73,7 @@ def used_cache(graph) -> bool:
 
 @pytest.fixture(scope="module")
 def kinds(tiny_export, tiny_export_shared, tmp_path_factory):
-    """The graph kinds a CPU session caches: fp32 (both KV caches), int8 and int4 (MatMulNBits, prepacked)."""
+    """The graph kinds a CPU session caches: fp32 (both KV caches), int8 and int4 (MatMulNBits)."""
     root = tmp_path_factory.mktemp("cache-kinds")
     out = {"fp32": tiny_export, "fp32-shared": tiny_export_shared}
     for mode in ("int8", "int4"):
@@ -101,6 +101,24 @@ def test_second_start_loads_the_cached_graph_with_identical_outputs(kinds, kind,
     np.testing.assert_array_equal(cached_lp, fresh_lp)
     np.testing.assert_array_equal(first_lp, fresh_lp)
 
+
+
+def test_a_tampered_int4_entry_is_caught_by_full_verify_and_rebuilt(kinds, tmp_path, monkeypatch):
+    """The fp32 tests below, on a MatMulNBits entry: a byte flipped under a forged record is caught by --verify,
+    and the rebuilt entry gives the fresh session's ids and log-probs."""
+    monkeypatch.setenv("GPT2EDGE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(verified, "SETTLE_NS", 50_000_000)
+    folder = tmp_path / "model"
+    shutil.copytree(kinds["int4"], folder)
+    time.sleep(0.1)
+    fresh_ids, fresh_lp = run(folder, cache="0")
+    run(folder)
+    flip_and_forge(entry_dir(folder))
+    graph, said = load(folder, verify="full")
+    assert len(said) == 1 and "does not match the sha256" in said[0] and not used_cache(graph)
+    ids, lp = run(folder)  # the rebuilt entry
+    assert used_cache(load(folder)[0]) and ids == fresh_ids
+    np.testing.assert_array_equal(lp, fresh_lp)
 
 def test_the_folder_is_never_written(folder):
     before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
