@@ -45,14 +45,14 @@ def cpu_name() -> str:
         return "unknown CPU"
 
 
-def timed(cmd: list[str], env: dict, echo: int) -> dict:
+def timed(cmd: list[str], env: dict, echo: int, cwd: str) -> dict:
     """Seconds to the first byte past the `echo` bytes of prompt cmd prints, to exit, and its peak RSS; for
     `gpt2edge serve`, health_ready."""
     if "serve" in cmd[:4]:  # gpt2edge serve, or python -m gpt2edge.cli serve
-        return health_ready(cmd, env, int(cmd[cmd.index("--port") + 1]))
+        return health_ready(cmd, env, int(cmd[cmd.index("--port") + 1]), cwd)
     log = tempfile.TemporaryFile()  # a file, not a pipe: llama.cpp logs its load there (a full pipe blocks it)
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, bufsize=0)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, bufsize=0, cwd=cwd)
     seen, first = 0, None
     while chunk := p.stdout.read(4096):
         seen += len(chunk)
@@ -67,11 +67,11 @@ def timed(cmd: list[str], env: dict, echo: int) -> dict:
     return {"first_s": first if first is not None else total, "total_s": total, "rss_mb": usage.ru_maxrss / 1024}
 
 
-def health_ready(cmd: list[str], env: dict, port: int) -> dict:
+def health_ready(cmd: list[str], env: dict, port: int, cwd: str) -> dict:
     """Start `gpt2edge serve` and poll GET /health every 10 ms: seconds until it answers 200, and peak RSS."""
     log = tempfile.TemporaryFile()  # a file, not a pipe: every poll adds an access-log line
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=cwd)
     ready = None
     while ready is None and p.poll() is None and time.perf_counter() - t0 < 300:
         try:
@@ -117,7 +117,9 @@ def main() -> None:
         help="LABEL of a --cell whose `gpt2edge serve` start to its first /health 200 is also timed (repeatable)",
     )
     args = ap.parse_args()
-    cache = tempfile.mkdtemp(prefix="gpt2edge-cold-bench-")  # records and graphs of this run only
+    # records and graphs of this run only; also every child's working directory: `python -m` puts its working
+    # directory before PYTHONPATH on sys.path, so a run from a checkout would import that checkout, not the --tree
+    cache = tempfile.mkdtemp(prefix="gpt2edge-cold-bench-")
     base = {**os.environ, "GPT2EDGE_CACHE_DIR": cache}
     echo = len(PROMPT.encode())
     runs: list[tuple[str, str, str, list[str], dict]] = []  # (cell, variant, source, cmd, env)
@@ -129,11 +131,14 @@ def main() -> None:
         trees.append((f"{name}:", [sys.executable, "-m", "gpt2edge.cli"], {"PYTHONPATH": path}))
     for cell in args.cell:
         label, folder = cell.split("=", 1)
+        folder = os.path.abspath(folder)  # the children run in the cache directory (see `cache` above)
         for prefix, program, tree_env in trees:
             gen = [*program, "generate", folder, "-p", PROMPT, "-n", str(args.new_tokens), "--greedy"]
             gen += ["-t", str(args.threads), "--ignore-eos"]
+            # a cache directory for each tree and cell: a `first` run empties only its own folder's entry
+            own = {"GPT2EDGE_CACHE_DIR": os.path.join(cache, f"{prefix}{label}")}
             for v in args.variants.split(","):
-                env = {**base, **tree_env, "GPT2EDGE_GRAPH_CACHE": "0" if v == "nocache" else "1"}
+                env = {**base, **tree_env, **own, "GPT2EDGE_GRAPH_CACHE": "0" if v == "nocache" else "1"}
                 runs.append((label, prefix + v, folder, gen + (["--verify"] if v == "full" else []), env))
                 if label in args.health:
                     with socket.socket() as sock:  # a free port for this cell's server
@@ -144,7 +149,8 @@ def main() -> None:
                     runs.append((label, f"{prefix}{v} /health", folder, serve, env))
     for cell in args.gguf:
         label, gguf = cell.split("=", 1)
-        cmd = [args.llama, "-m", gguf, "-n", str(args.new_tokens), PROMPT]
+        gguf = os.path.abspath(gguf)
+        cmd = [os.path.abspath(args.llama), "-m", gguf, "-n", str(args.new_tokens), PROMPT]
         runs.append((label, "llama.cpp", gguf, cmd, base))
     results: dict[tuple[str, str], list[dict]] = {(c, v): [] for c, v, *_ in runs}
     with open(LOCK, "a") as lock:
@@ -152,15 +158,15 @@ def main() -> None:
 
         fcntl.flock(lock, fcntl.LOCK_EX)
         for cell, v, _, cmd, env in runs:  # page cache warm, verify records and graph cache filled
-            t = timed(cmd, env, echo)
+            t = timed(cmd, env, echo, cache)
             if bare(v) in ("cached", "cached /health"):  # this run filled the cache: a first start, once
                 results.setdefault((cell, v.replace("cached", "first (warm-up, 1 run)")), []).append(t)
         b0, w0 = busy_ticks(), time.monotonic()
         for r in range(args.rounds):
             for cell, v, _, cmd, env in runs if r % 2 == 0 else runs[::-1]:  # interleaved, order alternating
                 if bare(v) == "first":
-                    shutil.rmtree(Path(cache) / "graphs", ignore_errors=True)
-                t = timed(cmd, env, echo)
+                    shutil.rmtree(Path(env["GPT2EDGE_CACHE_DIR"]) / "graphs", ignore_errors=True)
+                t = timed(cmd, env, echo, cache)
                 results[(cell, v)].append(t)
                 if args.json:
                     with open(args.json, "a") as f:
