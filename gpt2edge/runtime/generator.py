@@ -95,9 +95,8 @@ class Generator:
         model_dir = path_arg(model_dir, "model_dir")
         # a draft model alternates with this graph token by token: idle threads must not spin (session.py)
         options = dict(device=device, threads=threads, spin=spin and draft is None)
-        if loading is not None and (loading.folder.path, loading.verify, loading.options) != (
-            model_dir, verify, options
-        ):
+        wanted = (model_dir, verify, options)
+        if loading is not None and (loading.folder.path, loading.verify, loading.options) != wanted:
             raise GenerationError(
                 f"loading= was started for {loading.folder.path} with verify={loading.verify!r} and "
                 f"{loading.options}, not for this call's {model_dir} with verify={verify!r} and {options}."

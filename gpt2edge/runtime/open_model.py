@@ -45,16 +45,18 @@ class GraphLoading:
     imports the decoding modules, which then cost no wall time (a GPT-2 small int8 cached start: ~0.2 s of
     session hidden behind them; benchmarks/README.md, **Cold start**). ONNX Runtime takes the GIL back once,
     between reading the graph and initializing it, so a call that holds the GIL for long (tokenizers loading
-    tokenizer.json) belongs after such imports, not right after the start. `options` are load_graph's."""
+    tokenizer.json) belongs after such imports, not right after the start. device, threads, spin: load_graph's."""
 
-    def __init__(self, model_dir: str | Path, verify: bool | str = True, **options) -> None:
+    def __init__(
+        self, model_dir: str | Path, verify: bool | str = True, device: str = "cpu", threads: int | None = None,
+        spin: bool = True,
+    ) -> None:  # fmt: skip
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.verify = verify
-        self.options = options
+        self.options = dict(device=device, threads=threads, spin=spin)  # what Generator(loading=...) checks
         self._graph: Future[Graph] = Future()
-        # daemon: a Ctrl-C that ends the process does not wait for the session to be built
-        self._thread = threading.Thread(target=self._load, name="gpt2edge-load-graph", daemon=True)
-        self._thread.start()
+        # daemon: a process that ends without waiting for the load (a second Ctrl-C) is not held open by it
+        threading.Thread(target=self._load, name="gpt2edge-load-graph", daemon=True).start()
 
     def _load(self) -> None:
         try:
