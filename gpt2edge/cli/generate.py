@@ -82,7 +82,6 @@ def generate(
     """
     from gpt2edge.cli.escapes import process_escapes
     from gpt2edge.prompt_input import collect_prompts, read_prompt_file
-    from gpt2edge.runtime.open_model import GraphLoading
 
     files = prompt_files + batch_files
     constraint = constraint_of(json_schema, json_object, regex, grammar, choice)  # read and checked before the model
@@ -102,17 +101,7 @@ def generate(
         )
         speculative = dict(draft=draft, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)
         verify = verify_mode(no_verify, full_verify)
-        with warnings_to_stderr():
-            # the graph loads on a thread while the decoding modules are imported (a cold start: GraphLoading)
-            loading = GraphLoading(model_dir, verify, device=device, threads=threads, spin=draft is None)
-            try:
-                from gpt2edge.runtime.generator import Generator
-
-                gen = Generator(model_dir, device=device, threads=threads, verify=verify, loading=loading,
-                                **speculative)  # fmt: skip
-            except BaseException:
-                loading.wait()  # no session left building while the error (or Ctrl-C) ends the process
-                raise
+        gen = load_generator(model_dir, verify, device, threads, speculative)
         from gpt2edge.runtime.call_params import CONFIG_KEYS
         from gpt2edge.runtime.decoding.beam import search_params
 
@@ -168,6 +157,22 @@ def generate(
     if interrupted:
         click.echo("[interrupted]", err=True)
         sys.exit(130)  # the shell's code for SIGINT: scripts can tell an interrupted run from a finished one
+
+
+def load_generator(model_dir, verify, device, threads, speculative: dict):
+    """The folder's Generator, its graph loading on a thread while the decoding modules are imported and the
+    tokenizer loads (a cold start: gpt2edge.runtime.open_model.GraphLoading); library warnings on stderr."""
+    from gpt2edge.runtime.open_model import GraphLoading
+
+    with warnings_to_stderr():
+        loading = GraphLoading(model_dir, verify, device=device, threads=threads, spin=speculative["draft"] is None)
+        try:
+            from gpt2edge.runtime.generator import Generator
+
+            return Generator(model_dir, device=device, threads=threads, verify=verify, loading=loading, **speculative)
+        except BaseException:
+            loading.wait()  # no session left building while the error (or Ctrl-C) ends the process
+            raise
 
 
 def constraint_of(json_schema, json_object, regex, grammar, choice):
