@@ -25,15 +25,20 @@ from gpt2edge.runtime.model.lm import OrtGraph
 PROMPT = "The quick brown fox"
 
 
-@pytest.fixture
-def folder(tiny_export, tmp_path, monkeypatch):
-    """A private copy of the tiny export (older than the settle time) and a cache directory of this test's own."""
+def private_copy(source, tmp_path, monkeypatch):
+    """A private copy of an export (older than the settle time) and a cache directory of this test's own."""
     monkeypatch.setenv("GPT2EDGE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(verified, "SETTLE_NS", 50_000_000)
     out = tmp_path / "model"
-    shutil.copytree(tiny_export, out)
+    shutil.copytree(source, out)
     time.sleep(0.1)
     return out
+
+
+@pytest.fixture
+def folder(tiny_export, tmp_path, monkeypatch):
+    """A private copy of the tiny export, with a cache directory of this test's own."""
+    return private_copy(tiny_export, tmp_path, monkeypatch)
 
 
 def entry_dir(folder) -> os.PathLike:
@@ -84,11 +89,7 @@ def kinds(tiny_export, tiny_export_shared, tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["fp32", "fp32-shared", "int8", "int4"])
 def test_second_start_loads_the_cached_graph_with_identical_outputs(kinds, kind, tmp_path, monkeypatch):
-    monkeypatch.setenv("GPT2EDGE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(verified, "SETTLE_NS", 50_000_000)
-    folder = tmp_path / "model"
-    shutil.copytree(kinds[kind], folder)
-    time.sleep(0.1)
+    folder = private_copy(kinds[kind], tmp_path, monkeypatch)
     fresh_ids, fresh_lp = run(folder, cache="0")
     assert not (verified.cache_root() / "graphs").exists()  # GPT2EDGE_GRAPH_CACHE=0: nothing saved
     first_ids, first_lp = run(folder)  # optimizes and saves
@@ -102,15 +103,10 @@ def test_second_start_loads_the_cached_graph_with_identical_outputs(kinds, kind,
     np.testing.assert_array_equal(first_lp, fresh_lp)
 
 
-
 def test_a_tampered_int4_entry_is_caught_by_full_verify_and_rebuilt(kinds, tmp_path, monkeypatch):
     """The fp32 tests below, on a MatMulNBits entry: a byte flipped under a forged record is caught by --verify,
     and the rebuilt entry gives the fresh session's ids and log-probs."""
-    monkeypatch.setenv("GPT2EDGE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(verified, "SETTLE_NS", 50_000_000)
-    folder = tmp_path / "model"
-    shutil.copytree(kinds["int4"], folder)
-    time.sleep(0.1)
+    folder = private_copy(kinds["int4"], tmp_path, monkeypatch)
     fresh_ids, fresh_lp = run(folder, cache="0")
     run(folder)
     flip_and_forge(entry_dir(folder))
@@ -119,6 +115,7 @@ def test_a_tampered_int4_entry_is_caught_by_full_verify_and_rebuilt(kinds, tmp_p
     ids, lp = run(folder)  # the rebuilt entry
     assert used_cache(load(folder)[0]) and ids == fresh_ids
     np.testing.assert_array_equal(lp, fresh_lp)
+
 
 def test_the_folder_is_never_written(folder):
     before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}

@@ -44,7 +44,7 @@ def test_a_generator_on_a_loading_gives_what_its_own_load_gives(fixture, request
 
 
 @pytest.mark.parametrize("other", [
-    dict(threads=2), dict(verify="full"), dict(draft_tokens=None, threads=1, spin=False),
+    dict(threads=2), dict(verify="full"), dict(spin=False),
 ])  # fmt: skip
 def test_a_loading_started_for_other_options_is_refused(tiny_export, other):
     loading = GraphLoading(tiny_export, True, **OPTIONS)
