@@ -207,11 +207,20 @@ def serve(
         run_on_ray(app, host, port, address=ray_address, on_ready=ready)
         return
     require_extra("serve", "serve")
-    from gpt2edge.runtime import ModelFolder
-    from gpt2edge.serve.hosting.server import bind_socket, loading_app, serve_forever
+    from gpt2edge.runtime.open_model import GraphLoading
+    from gpt2edge.serve.hosting.startup import SchedulerLoading, bind_socket
 
-    # a bad folder: one error line before the port is taken (the load behind it checks presence only)
-    ModelFolder.open(model_dir, verify=verify_mode(no_verify, full_verify))
-    sock = bind_socket(host, port)  # a port in use: one error line before the model loads
-    # the model loads while the server answers (/health: "loading"); a failed load stops it with one error line
-    serve_forever(lambda on_error: loading_app(model_dir, config, device, threads, on_error), sock, on_ready=ready)
+    # a bad folder: one error line before the port is taken; a port in use: one before the model loads
+    loading = GraphLoading(model_dir, verify_mode(no_verify, full_verify), device, threads, spin=False, start=False)
+    sock = bind_socket(host, port)
+    # the session and the scheduler are built on threads while the server's modules import here (a cold start),
+    # and the model goes on loading while the server answers (/health: "loading"); a failed load stops it
+    loading.start()
+    scheduling = SchedulerLoading(loading, config)
+    try:
+        from gpt2edge.serve.hosting.server import loading_app, serve_forever
+
+        serve_forever(lambda on_error: loading_app(scheduling, config, on_error), sock, on_ready=ready)
+    except BaseException:
+        scheduling.wait()  # no session left building while the error (or Ctrl-C) ends the process
+        raise

@@ -45,18 +45,31 @@ class GraphLoading:
     imports the decoding modules, which then cost no wall time (a GPT-2 small int8 cached start: ~0.2 s of
     session hidden behind them; benchmarks/README.md, **Cold start**). ONNX Runtime takes the GIL back once,
     between reading the graph and initializing it, so a call that holds the GIL for long (tokenizers loading
-    tokenizer.json) belongs after such imports, not right after the start. device, threads, spin: load_graph's."""
+    tokenizer.json) belongs after such imports, not right after the start. device, threads, spin: load_graph's.
+    start=False: the folder is checked now and the load begins at start() (`gpt2edge serve` binds its port in
+    between, so that a port in use is reported before any load)."""
 
     def __init__(
         self, model_dir: str | Path, verify: bool | str = True, device: str = "cpu", threads: int | None = None,
-        spin: bool = True,
+        spin: bool = True, start: bool = True,
     ) -> None:  # fmt: skip
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.verify = verify
         self.options = dict(device=device, threads=threads, spin=spin)  # what Generator(loading=...) checks
         self._graph: Future[Graph] = Future()
-        # daemon: a process that ends without waiting for the load (a second Ctrl-C) is not held open by it
-        threading.Thread(target=self._load, name="gpt2edge-load-graph", daemon=True).start()
+        self._started = threading.Lock()  # held once the load thread has been started
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Begin the load on its thread (once: a second call does nothing)."""
+        if self._started.acquire(blocking=False):
+            # daemon: a process that ends without waiting for the load (a second Ctrl-C) is not held open by it
+            try:
+                threading.Thread(target=self._load, name="gpt2edge-load-graph", daemon=True).start()
+            except BaseException as e:  # no thread to be had: result() raises it, wait() does not hang
+                self._graph.set_exception(e)
+                raise
 
     def _load(self) -> None:
         try:
@@ -65,10 +78,12 @@ class GraphLoading:
             self._graph.set_exception(e)
 
     def result(self) -> Graph:
-        """The graph, once loaded (the load's own error if it failed)."""
+        """The graph, once loaded (the load's own error if it failed); a load not yet started starts now."""
+        self.start()
         return self._graph.result()
 
     def wait(self) -> None:
-        """Return once the load has ended, loaded or failed (an error path that must not leave ONNX Runtime
-        building a session while the process exits)."""
-        self._graph.exception()
+        """Return once the load has ended, loaded or failed, or at once if it never started (an error path that
+        must not leave ONNX Runtime building a session while the process exits)."""
+        if self._started.locked():
+            self._graph.exception()

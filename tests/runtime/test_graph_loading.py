@@ -2,16 +2,22 @@
 modules (`gpt2edge generate`'s cold start). The Generator it feeds gives the ids and log-probs of one that loads
 its own graph; a loading started for other options is refused; errors come as before (the folder's on the
 caller's thread, the tokenizer's before the graph's) with no session left building behind them; and the CLI
-starts the load before it imports the decoding modules, so that their import costs no wall time."""
+starts the load before it imports the decoding modules, so that their import costs no wall time; `serve` starts it
+after binding its port and before importing the server (FastAPI, uvicorn), and serves from it."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -59,6 +65,23 @@ def test_a_loading_of_another_folder_is_refused(tiny_export, tiny_export_shared)
     with pytest.raises(GenerationError, match="loading= was started for"):
         Generator(tiny_export, threads=1, loading=loading)
     loading.wait()
+
+
+def test_a_loading_not_started_checks_the_folder_and_loads_on_start_or_result(tiny_export, tmp_path, monkeypatch):
+    loads = []
+    real = GraphLoading._load
+    monkeypatch.setattr(GraphLoading, "_load", lambda self: (loads.append(1), real(self)))
+    with pytest.raises(ModelFolderError):  # the folder is checked at construction all the same
+        GraphLoading(tmp_path / "nowhere", True, start=False, **OPTIONS)
+    loading = GraphLoading(tiny_export, True, start=False, **OPTIONS)
+    loading.wait()  # nothing started: returns at once (an error path before start() does not hang)
+    assert loads == [] and loader_threads() == []
+    loading.start()
+    loading.start()  # once only
+    gen = Generator(tiny_export, threads=1, loading=loading)
+    assert loads == [1] and run(gen)[0] == run(Generator(tiny_export, threads=1))[0]
+    lazy = GraphLoading(tiny_export, True, start=False, **OPTIONS)
+    assert lazy.result() is not None and loads == [1, 1]  # result() starts a load never started
 
 
 def test_a_missing_folder_is_said_on_the_callers_thread(tmp_path):
@@ -110,3 +133,50 @@ def test_the_cli_starts_the_load_before_it_imports_the_decoding_modules(tiny_exp
     assert "gpt2edge.runtime.open_model" in at_start  # the load did start
     late = ("gpt2edge.runtime.generator", "gpt2edge.runtime.decoding.generate", "gpt2edge.runtime.speculative")
     assert [m for m in at_start if m.startswith(late)] == []
+
+
+def test_serve_starts_the_load_after_its_port_and_before_the_server_imports_then_serves_from_it(tiny_export):
+    """`gpt2edge serve`'s cold start: the load starts once the port is bound (a port in use is said before any
+    load) and, with the scheduler's build, before FastAPI, uvicorn and the server's modules are imported, which
+    then run beside ONNX Runtime's session build and the KV rows' reservation; the server answers from them."""
+    code = (
+        "import json, sys\n"
+        "from gpt2edge.runtime import open_model\n"
+        "real = open_model.GraphLoading.start\n"
+        "def start(self):\n"
+        "    print('AT-START ' + json.dumps(sorted(sys.modules)), file=sys.stderr, flush=True)\n"
+        "    real(self)\n"
+        "open_model.GraphLoading.start = start\n"
+        "from gpt2edge.serve.hosting import startup\n"
+        "build = startup.SchedulerLoading.__init__\n"
+        "def init(self, *a):\n"
+        "    print('AT-BUILD ' + json.dumps(sorted(sys.modules)), file=sys.stderr, flush=True)\n"
+        "    build(self, *a)\n"
+        "startup.SchedulerLoading.__init__ = init\n"
+        "from gpt2edge.cli import main\n"
+        f"main(['serve', {str(tiny_export)!r}, '--port', '0', '--model-name', 'tiny', '-t', '1'])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)  # fmt: skip
+    log: list[str] = []
+    try:
+        seen: dict[str, list[str]] = {}  # the modules imported when the load and the build started
+        for line in proc.stderr:
+            log.append(line)
+            if line.startswith("AT-"):  # the CLI's calls first (result() calls start() again: ignored)
+                seen.setdefault(line.split(" ", 1)[0], json.loads(line.split(" ", 1)[1]))
+            if "model tiny loaded" in line or "loading the model failed" in line:
+                break
+        assert set(seen) == {"AT-START", "AT-BUILD"} and "model tiny loaded" in log[-1], "".join(log)
+        late = ("fastapi", "uvicorn", "starlette", "gpt2edge.serve.hosting.server", "gpt2edge.serve.api")
+        for at in seen.values():
+            assert [m for m in at if m.startswith(late)] == []
+            assert "gpt2edge.serve.hosting.startup" in at  # the port was bound first
+        url = re.search(r"on (http://127\.0\.0\.1:\d+)", proc.stdout.readline()).group(1)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    assert rc == 0, "".join(log) + proc.stderr.read()

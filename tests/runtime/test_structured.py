@@ -402,9 +402,10 @@ def test_a_catastrophic_regex_compiles_and_generates(gen):
 
 
 def test_a_cheap_mask_of_one_row_is_computed_in_line_and_waiting_is_not_cost(gen, monkeypatch):
-    # the handoff rule (rows.HANDOFF_MS): a one-row forward whose last mask cost less CPU than the handoff leaves
-    # the next mask to masks(); a costly one, or a forward of several rows, computes it in the background. The
-    # cost is the computing thread's CPU time: a mask that waited (here: slept) 20 ms is still a cheap one
+    # the handoff rule (rows.HANDOFF_MS): a one-row forward whose last mask cost less CPU than the handoff, or
+    # less than the last forward (prefetch() to masks()), leaves the next mask to masks(); a mask costlier than
+    # both, or a forward of several rows, computes it in the background. The cost is the computing thread's CPU
+    # time: a mask that waited (here: slept) 20 ms is still a cheap one
     import time
 
     from gpt2edge.runtime.constraints import rows as rows_module
@@ -428,6 +429,15 @@ def test_a_cheap_mask_of_one_row_is_computed_in_line_and_waiting_is_not_cost(gen
     g.prefetch(one, rows_in_step=1)
     assert g._pending is None and (g.masks(one) == first).all()  # in line
     g._mask_ms = 5 * rows_module.HANDOFF_MS  # a costly grammar state
+    g.prefetch(one, rows_in_step=1)
+    assert g._pending is not None and (g.masks(one) == first).all()
+    g.prefetch(one, rows_in_step=1)
+    time.sleep(10 * rows_module.HANDOFF_MS / 1e3)  # a forward (prefetch() to masks()) longer than that mask
+    assert (g.masks(one) == first).all() and g._forward_ms >= 10 * rows_module.HANDOFF_MS
+    g._mask_ms = 5 * rows_module.HANDOFF_MS  # as costly, after that forward: in line, since a worker would slow
+    g.prefetch(one, rows_in_step=1)  # the next forward by more than it hides
+    assert g._pending is None and (g.masks(one) == first).all()
+    g._mask_ms, g._forward_ms = 5 * rows_module.HANDOFF_MS, 0.0  # a quick forward again: the worker takes it
     g.prefetch(one, rows_in_step=1)
     assert g._pending is not None and (g.masks(one) == first).all()
 

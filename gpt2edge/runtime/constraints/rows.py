@@ -27,8 +27,11 @@ from gpt2edge.runtime.model.columns import Columns
 
 # the next step's masks are computed here while ONNX Runtime runs the step's forward (both release the GIL)
 _prefetcher = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpt2edge-mask")
-# what handing one mask to the worker and back costs (submit, wake-up, result: ~0.05 ms on 2 cores, where the worker
-# also takes a core from ONNX Runtime's threads): a single row's mask cheaper than this is computed in line
+# what handing one mask to the worker and back costs (submit, wake-up, result: ~0.05 ms on 2 cores): a single
+# row's mask cheaper than this is computed in line. A dearer one goes to the worker only when it costs more than
+# the forward it would overlap: ONNX Runtime's threads hold every core, and a worker that takes one stalls the
+# forward's parallel loops by more than the mask it hides (trained-gpt2-py int8 on a Zen 3, a 0.13 ms mask beside
+# a 1.2 ms forward: 5-9 % slower a token handed off than in line; benchmarks/README.md, **Structured output**)
 HANDOFF_MS = 0.1
 
 
@@ -43,20 +46,27 @@ class ConstrainedRows:
         # the CPU time the last masks took (the computing thread's own: a worker's wall time would count the
         # forward's threads and the GIL it waited for, and keep a cheap mask in the worker for good)
         self._mask_ms = 0.0
+        # the wall time from the last prefetch() to its masks(): the forward (and the loop's work around it)
+        self._prefetched_at: float | None = None
+        self._forward_ms = 0.0
 
     def prefetch(self, active: np.ndarray, rows_in_step: int) -> None:
         """Start the masks of the rows' current states in the background (the loop calls this right before the
         forward that the masks do not depend on); masks() with the same rows collects them. A forward of one row
         whose last mask took less than the handoff (HANDOFF_MS: a JSON Schema's or a sliced class's ~0.05 ms)
-        leaves it for masks() to compute in line: the same mask, without the thread's cost. rows_in_step: the
-        rows that forward runs (a server's batch holds other requests' rows: prefetch_batch)."""
-        if rows_in_step <= 1 and self._mask_ms < HANDOFF_MS:
+        or less than the last forward leaves it for masks() to compute in line: the same mask, without the
+        thread's cost. rows_in_step: the rows that forward runs (a server's batch holds other requests' rows:
+        prefetch_batch)."""
+        self._prefetched_at = time.perf_counter()
+        if rows_in_step <= 1 and self._mask_ms < max(HANDOFF_MS, self._forward_ms):
             return
         self._pending = (active.copy(), _prefetcher.submit(self._masks, active.copy()), None)
 
     def masks(self, active: np.ndarray) -> np.ndarray:
         """(B, W) bool: each active row's allowed tokens in the head's columns (W = V, or a trimmed head's K);
         finished rows allow everything (their token is ignored)."""
+        if self._prefetched_at is not None:  # the forward since prefetch(): what a handed-off mask would overlap
+            self._forward_ms, self._prefetched_at = (time.perf_counter() - self._prefetched_at) * 1e3, None
         pending, self._pending = self._pending, None
         if pending is not None:
             done = pending[1].result()  # waited for even when unused: no matcher is touched by two threads

@@ -24,6 +24,7 @@ from gpt2edge.errors import ServeError
 from gpt2edge.serve.api.app import abort, create_app, drain
 from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.hosting.limits import limited_protocol
+from gpt2edge.serve.hosting.startup import SchedulerLoading, bind_socket  # noqa: F401  (bind_socket's home before)
 from gpt2edge.serve.scheduling.continuous import load_scheduler
 
 ABORT_S = 2.0  # after --shutdown-timeout: the time running streams get to send their error event and close
@@ -37,34 +38,10 @@ def local_app(
     return create_app(lambda: scheduler, config)
 
 
-def loading_app(
-    model_dir: str | Path, config: ServeConfig, device: str, threads: int | None, on_error: Callable[[str], None]
-) -> FastAPI:
-    """An app that loads the model (already verified by the caller) on a thread once the server starts."""
-    return create_app(
-        lambda: load_scheduler(model_dir, config, device=device, threads=threads, verify=False),
-        config,
-        background=True,
-        on_load_error=on_error,
-    )
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening address bound now, so that a port in use (or an address this machine lacks) is reported
-    before anything is loaded."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as e:
-        raise ServeError(f"Cannot resolve --host {host!r} ({e.strerror}); pass an address such as 127.0.0.1.") from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as e:
-        sock.close()
-        raise ServeError(f"Cannot listen on {host}:{port}: {e.strerror}; pass another --port.") from None
-    sock.set_inheritable(True)
-    return sock
+def loading_app(scheduling: SchedulerLoading, config: ServeConfig, on_error: Callable[[str], None]) -> FastAPI:
+    """An app whose scheduler is `scheduling`'s (its folder checked, its build under way since before the server's
+    imports): the server answers /health with "loading" until it is built; a failed build goes to on_error."""
+    return create_app(scheduling.result, config, background=True, on_load_error=on_error)
 
 
 class _Server(uvicorn.Server):

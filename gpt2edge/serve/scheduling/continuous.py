@@ -24,6 +24,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from gpt2edge.serve.scheduling.jobs import Job, Row
 from gpt2edge.serve.scheduling.prefix_rows import prefix_rows
 from gpt2edge.serve.scheduling.scheduler import Scheduler
 from gpt2edge.serve.scheduling.slot_files import SlotFiles
+
+if TYPE_CHECKING:
+    from gpt2edge.runtime.open_model import GraphLoading
 
 log = logging.getLogger("gpt2edge.serve")
 RESERVED_POSITIONS = 128  # per cache row, allocated and touched at start (more grow on demand)
@@ -284,14 +288,17 @@ class ContinuousScheduler(Scheduler):
 
 
 def load_scheduler(
-    model_dir: str | Path, config: ServeConfig, device: str = "cpu", threads: int | None = None, verify: bool = True
-) -> Scheduler:
+    model_dir: str | Path, config: ServeConfig, device: str = "cpu", threads: int | None = None,
+    verify: bool | str = True, loading: GraphLoading | None = None,
+) -> Scheduler:  # fmt: skip
     """Load the folder's Generator and wrap it in the scheduler config.scheduler names. ONNX Runtime's threads
     do not spin between runs: the event loop that parses requests and writes streams needs those cores between
-    steps (on 2 cores, spinning halved the tokens/s of either scheduler under HTTP load: benchmarks/README.md)."""
+    steps (on 2 cores, spinning halved the tokens/s of either scheduler under HTTP load: benchmarks/README.md).
+    loading: the folder's graph already loading with these options and spin=False (`gpt2edge serve` starts it
+    before importing the server; Generator's loading=)."""
     from gpt2edge.runtime import Generator
 
-    gen = Generator(model_dir, device=device, threads=threads, verify=verify, spin=False)
+    gen = Generator(model_dir, device=device, threads=threads, verify=verify, spin=False, loading=loading)
     return make_scheduler(gen, config)
 
 

@@ -1,0 +1,69 @@
+"""What `gpt2edge serve` does before it imports the server (FastAPI, uvicorn: ~0.7 s on a Zen 3): bind the port,
+so that a port in use (or an address this machine lacks) is one `error:` line, not a lost minute and uvicorn's
+exit 3; and build the scheduler on a thread, so that ONNX Runtime's session and the KV rows the scheduler
+reserves (both built without the GIL) are made while those imports run (benchmarks/README.md, **Cold start**)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from gpt2edge.errors import ServeError
+
+if TYPE_CHECKING:
+    from gpt2edge.runtime.open_model import GraphLoading
+    from gpt2edge.serve.config import ServeConfig
+    from gpt2edge.serve.scheduling.scheduler import Scheduler
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening address bound now, so that a port in use (or an address this machine lacks) is reported
+    before anything is loaded."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ServeError(f"Cannot resolve --host {host!r} ({e.strerror}); pass an address such as 127.0.0.1.") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"Cannot listen on {host}:{port}: {e.strerror}; pass another --port.") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class SchedulerLoading:
+    """load_scheduler() of a GraphLoading's folder, run on a thread from construction on; result() is the app's
+    `load` (create_app(background=True) calls it once the server has started: it then waits for what is left)."""
+
+    def __init__(self, loading: GraphLoading, config: ServeConfig) -> None:
+        self.loading, self.config = loading, config
+        self._scheduler: Future[Scheduler] = Future()
+        # daemon: a Ctrl-C during the start ends the process without waiting for the build
+        threading.Thread(target=self._build, name="gpt2edge-load-scheduler", daemon=True).start()
+
+    def _build(self) -> None:
+        try:
+            from gpt2edge.serve.scheduling.continuous import load_scheduler  # on this thread, beside the server's
+
+            options = self.loading.options  # the GraphLoading's own, which Generator(loading=...) checks
+            scheduler = load_scheduler(
+                self.loading.folder.path, self.config, options["device"], options["threads"], self.loading.verify,
+                loading=self.loading,
+            )  # fmt: skip
+            self._scheduler.set_result(scheduler)
+        except BaseException as e:  # raised by result(), where the server reports it
+            self._scheduler.set_exception(e)
+
+    def result(self) -> Scheduler:
+        """The scheduler, once built (the build's own error if it failed)."""
+        return self._scheduler.result()
+
+    def wait(self) -> None:
+        """Return once the build has ended, built or failed (an error path that must not leave ONNX Runtime
+        building a session while the process exits)."""
+        self._scheduler.exception()
