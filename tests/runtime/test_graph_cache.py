@@ -266,3 +266,62 @@ def test_a_graph_rewritten_with_its_mtime_kept_is_a_change(folder):
     os.utime(graph_file, ns=(st.st_atime_ns, st.st_mtime_ns))
     _, said = load(folder)
     assert len(said) == 1 and "changed since it was made" in said[0], said
+
+
+def entries() -> set[str]:
+    root = verified.cache_root() / "graphs"
+    return {p.name for p in root.iterdir()} if root.exists() else set()
+
+
+def test_the_cache_keeps_the_recently_used_entries_within_its_limit(folder, tmp_path, monkeypatch):
+    # three folders' entries, each used in turn; A used again (its record touched) before C is written: with room
+    # for two entries, C's write removes B, the least recently used, and keeps A and C
+    copies = {"A": folder}
+    for name in ("B", "C"):
+        copies[name] = tmp_path / name
+        shutil.copytree(folder, copies[name])
+    time.sleep(0.1)  # older than the settle time
+    names = {}
+    for name in ("A", "B"):
+        before = entries()
+        assert not used_cache(load(copies[name])[0])
+        (names[name],) = entries() - before
+        time.sleep(0.05)  # distinct record mtimes
+    size = graph_cache._bytes(verified.cache_root() / "graphs" / names["A"])
+    monkeypatch.setenv("GPT2EDGE_GRAPH_CACHE_BYTES", str(2 * size + size // 2))
+    assert used_cache(load(copies["A"])[0])  # a use: A is now the most recent of the two
+    time.sleep(0.05)
+    before = entries()
+    load(copies["C"])
+    (names["C"],) = entries() - before
+    assert entries() == {names["A"], names["C"]}
+    monkeypatch.setenv("GPT2EDGE_GRAPH_CACHE_BYTES", "1")  # smaller than any entry: the one just written stays
+    shutil.rmtree(verified.cache_root() / "graphs" / names["A"])
+    load(copies["A"])
+    assert entries() == {names["A"]}
+
+
+def test_entries_of_deleted_folders_and_interrupted_saves_are_pruned(folder, tmp_path):
+    gone = tmp_path / "gone"
+    shutil.copytree(folder, gone)
+    time.sleep(0.1)
+    load(gone)
+    (gone_entry,) = entries()
+    shutil.rmtree(gone)
+    root = verified.cache_root() / "graphs"
+    stale, fresh = root / ".build-interrupted", root / ".build-running"
+    for d in (stale, fresh):
+        d.mkdir()
+        (d / "model.onnx").write_bytes(b"x" * 100)
+    old = time.time() - graph_cache.STALE_BUILD_S - 60
+    os.utime(stale, (old, old))
+    load(folder)  # a new entry prunes the others
+    assert gone_entry not in entries() and stale.name not in entries()
+    assert fresh.name in entries() and len(entries()) == 2  # a save that may still be running stays
+
+
+def test_a_cache_limit_that_is_not_a_size_is_said_and_the_default_used():
+    with pytest.warns(RuntimeWarning, match="GPT2EDGE_GRAPH_CACHE_BYTES='lots' is not a size"):
+        assert graph_cache.limit_bytes({"GPT2EDGE_GRAPH_CACHE_BYTES": "lots"}) == graph_cache.DEFAULT_LIMIT
+    assert graph_cache.limit_bytes({"GPT2EDGE_GRAPH_CACHE_BYTES": "2G"}) == 2 << 30
+    assert graph_cache.limit_bytes({}) == graph_cache.DEFAULT_LIMIT

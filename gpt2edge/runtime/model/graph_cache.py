@@ -15,6 +15,10 @@ options that change optimization. Its own files must have the size, mtime, ctime
 were written (truncated or rewritten in place), or, with verify="full" (the CLI's --verify), the sha256 recorded
 then. Anything else is said in one line (a RuntimeWarning) and the entry is rebuilt. GPT2EDGE_GRAPH_CACHE=0 turns
 the cache off.
+
+The cache is bounded: each entry written prunes the others (prune()): entries whose source graph is gone, the
+leftovers of saves that were interrupted, then the least recently used until the rest fit in
+GPT2EDGE_GRAPH_CACHE_BYTES (default 16G; the entry just written stays even when it alone is larger).
 """
 
 from __future__ import annotations
@@ -41,10 +45,33 @@ RECORD_NAME = "record.json"
 EXTERNAL_MIN_BYTES = 1024
 # the saved weights are a second copy of the folder's graph: leave this much disk free besides
 DISK_MARGIN = 1 << 30
+# the cache's size once an entry is written (GPT2EDGE_GRAPH_CACHE_BYTES): one xl fp32 entry and a dozen small ones
+DEFAULT_LIMIT = 16 << 30
+# a save's temporary folder older than this belongs to a start that was interrupted (a save takes seconds)
+STALE_BUILD_S = 24 * 3600
 
 
 def enabled(env: dict | None = None) -> bool:
     return (os.environ if env is None else env).get("GPT2EDGE_GRAPH_CACHE", "1") != "0"
+
+
+def limit_bytes(env: dict | None = None) -> int:
+    """GPT2EDGE_GRAPH_CACHE_BYTES (bytes, or with a unit: 8G, 512M), else DEFAULT_LIMIT; a value that is not a
+    size is said in one line and the default used (a cache setting must not stop a model from loading)."""
+    text = (os.environ if env is None else env).get("GPT2EDGE_GRAPH_CACHE_BYTES")
+    if not text:
+        return DEFAULT_LIMIT
+    from gpt2edge.budget.memory import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        warnings.warn(
+            f"GPT2EDGE_GRAPH_CACHE_BYTES={text!r} is not a size (e.g. 8G); using {DEFAULT_LIMIT >> 30}G",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return DEFAULT_LIMIT
 
 
 def cpu_key() -> dict[str, str]:
@@ -106,6 +133,8 @@ class GraphCache:
         except (AttributeError, TypeError, KeyError, ValueError):  # valid JSON of another shape: not our record
             why = "its record is not one of gpt2edge's"
         if why is None:
+            with contextlib.suppress(OSError):  # its last use, for prune(): the record's mtime (nothing checks it)
+                os.utime(self.dir / RECORD_NAME)
             return self.dir / GRAPH_NAME
         warnings.warn(
             f"the optimized graph cached in {self.dir} is not used: {why}; rebuilding it", RuntimeWarning, stacklevel=2
@@ -171,14 +200,83 @@ class GraphCache:
             if any(f["mtime_ns"] > settled for f in key["sources"].values()):
                 return False  # a source written this recently could change again within the same clock tick
             files = {n: {**_stat(tmp / n), "sha256": file_digest(tmp / n)["sha256"]} for n in (GRAPH_NAME, DATA_NAME)}
-            write_text_atomic(tmp / RECORD_NAME, json.dumps({"key": key, "files": files}, indent=1) + "\n")
+            record = {"key": key, "files": files, "graph": os.path.realpath(self.graph)}  # graph: for prune()
+            write_text_atomic(tmp / RECORD_NAME, json.dumps(record, indent=1) + "\n")
             old = self.dir.with_name(f".old-{self.dir.name}-{os.getpid()}")
             with contextlib.suppress(FileNotFoundError):
                 os.rename(self.dir, old)  # a stale entry leaves first
             os.rename(tmp, self.dir)
             shutil.rmtree(old, ignore_errors=True)
+            prune(self.dir.parent, self.dir, limit_bytes())
             return True
         except OSError:
             return False
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prune(root: Path, keep: Path, limit: int, now: float | None = None) -> list[Path]:
+    """Bound the cache at `root` (its graphs/ folder) once `keep` was written; returns what it removed: entries
+    whose source graph no longer exists, temporary folders of saves older than STALE_BUILD_S (interrupted), then
+    the least recently used entries (the record's mtime: written, or touched by usable()) until the rest, keep
+    included, fit in `limit` bytes. keep is never removed. An entry goes by one rename first, so a reader sees it
+    whole or not at all (one that had just found it usable reloads and rebuilds, saying so in one line)."""
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    entries: list[tuple[float, int, Path]] = []  # (last use, bytes, entry) of the entries that stay for now
+    for path in _listing(root):
+        if path == keep:
+            continue
+        if path.name.startswith("."):  # .build-* / .old-*: another start's save, or one that was interrupted
+            if now - _mtime(path) > STALE_BUILD_S and _remove(path):
+                removed.append(path)
+            continue
+        record = verified.read_record(path / RECORD_NAME, bad={})
+        graph = record.get("graph") if isinstance(record, dict) else None
+        if isinstance(graph, str) and not os.path.exists(graph):  # its folder was deleted or moved
+            if _remove(path):
+                removed.append(path)
+            continue
+        entries.append((_mtime(path / RECORD_NAME), _bytes(path), path))
+    total = _bytes(keep) + sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):  # the least recently used first
+        if total <= limit:
+            break
+        if _remove(path):
+            removed.append(path)
+            total -= size
+    return removed
+
+
+def _listing(root: Path) -> list[Path]:
+    try:
+        return sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+    except OSError:
+        return []
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # no record: the oldest use there is
+        return 0.0
+
+
+def _bytes(path: Path) -> int:
+    total = 0
+    with contextlib.suppress(OSError):
+        for f in path.iterdir():
+            with contextlib.suppress(OSError):
+                total += f.lstat().st_size
+    return total
+
+
+def _remove(path: Path) -> bool:
+    """Take an entry out of the cache by one rename, then delete it; False if another start moved it first."""
+    gone = path.with_name(f".old-{path.name.lstrip('.')}-pruned-{os.getpid()}")
+    try:
+        os.rename(path, gone)
+    except OSError:
+        return False
+    shutil.rmtree(gone, ignore_errors=True)
+    return True
