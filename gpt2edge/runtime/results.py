@@ -53,6 +53,12 @@ class GenerationResult:
         return out
 
 
+def _median(xs: list[float]) -> float:
+    """np.median's value without its import of numpy.ma (~12 ms at the end of every CLI generation)."""
+    s = sorted(xs)
+    return float(s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+
+
 def results_of(state: GenerationState) -> list[GenerationResult]:
     """One GenerationResult per row of a finished (or interrupted) generation, with its timings."""
     decode, sampler = state.decode_ms, state.sampler_ms
@@ -60,7 +66,7 @@ def results_of(state: GenerationState) -> list[GenerationResult]:
     timings = {
         "prefill_ms": state.prefill_ms,
         "decode_ms_per_token_mean": float(np.mean(decode)) if decode else 0.0,
-        "decode_ms_per_token_median": float(np.median(decode)) if decode else 0.0,
+        "decode_ms_per_token_median": _median(decode) if decode else 0.0,
         "sampler_ms_per_token_mean": float(np.mean(sampler)) if sampler else 0.0,
         "wall_ms": state.wall_ms,
         "tokens_per_s": n_tokens / (state.wall_ms / 1e3) if state.wall_ms > 0 else 0.0,
