@@ -208,7 +208,7 @@ def serve(
         return
     require_extra("serve", "serve")
     from gpt2edge.runtime.open_model import GraphLoading
-    from gpt2edge.serve.hosting.startup import SchedulerLoading, bind_socket
+    from gpt2edge.serve.hosting.startup import SchedulerLoading, bind_socket, log_lines
 
     # a bad folder: one error line before the port is taken; a port in use: one before the model loads
     loading = GraphLoading(model_dir, verify_mode(no_verify, full_verify), device, threads, spin=False, start=False)
@@ -216,6 +216,7 @@ def serve(
     # the session and the scheduler are built on threads while the server's modules import here (a cold start),
     # and the model goes on loading while the server answers (/health: "loading"); a failed load stops it
     loading.start()
+    log_lines()
     scheduling = SchedulerLoading(loading, config)
     try:
         from gpt2edge.serve.hosting.server import loading_app, serve_forever

@@ -695,6 +695,25 @@ def test_cli_serve_starts_serves_and_stops(tiny_export):
     assert rc == 0, "".join(log) + proc.stderr.read()
 
 
+def test_cli_serve_notes_from_the_model_load_have_the_servers_form(tiny_export):
+    """The scheduler is built on a thread that starts before the server is imported: its notes (here: a prefix
+    cache the next-batch scheduler ignores) are printed as the server's own lines ("WARNING: ..."), not raw."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    args = [str(tiny_export), "--port", "0", "--model-name", "tiny", "--scheduler", "next-batch"]
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2edge.cli", "serve", *args, "--prefix-cache-bytes", "1M"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    log: list[str] = []
+    try:
+        for err in proc.stderr:
+            log.append(err)
+            if "model tiny loaded" in err or "loading the model failed" in err:
+                break
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert "WARNING: --prefix-cache-bytes is ignored: the next-batch scheduler has no prefix cache\n" in log, log
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -24,7 +24,11 @@ from gpt2edge.errors import ServeError
 from gpt2edge.serve.api.app import abort, create_app, drain
 from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.hosting.limits import limited_protocol
-from gpt2edge.serve.hosting.startup import SchedulerLoading, bind_socket  # noqa: F401  (bind_socket's home before)
+from gpt2edge.serve.hosting.startup import (
+    SchedulerLoading,
+    bind_socket,  # noqa: F401  (its home before: imported from here)
+    log_lines,
+)
 from gpt2edge.serve.scheduling.continuous import load_scheduler
 
 ABORT_S = 2.0  # after --shutdown-timeout: the time running streams get to send their error event and close
@@ -117,7 +121,7 @@ def serve_forever(
 ) -> None:
     """Serve on a bound socket until Ctrl-C / SIGTERM; then shut down gracefully. make_app(on_load_error) builds
     the app; a load that fails stops the server and is raised here as one ServeError."""
-    _log_lines()
+    log_lines()
     host, port = sock.getsockname()[:2]
     failed: list[str] = []
     holder: list[_Server] = []
@@ -137,21 +141,6 @@ def serve_forever(
         raise ServeError(f"Could not load the model: {failed[0]}")
     if not server.started:
         raise ServeError(f"The server on {host}:{port} did not start; see the log above.")
-
-
-def _log_lines() -> None:
-    """gpt2edge's own log lines (the JSON access log, load and failure notes) on stderr, one per line."""
-    import logging
-
-    for name in ("gpt2edge.access", "gpt2edge.serve"):
-        logger = logging.getLogger(name)
-        if not logger.handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(message)s" if name.endswith("access") else "%(levelname)s: "
-                                                   "%(message)s"))  # fmt: skip
-            logger.addHandler(handler)
-            logger.setLevel(logging.INFO)
-            logger.propagate = False
 
 
 class BackgroundServer:

@@ -5,6 +5,7 @@ reserves (both built without the GIL) are made while those imports run (benchmar
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from concurrent.futures import Future
@@ -34,6 +35,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ServeError(f"Cannot listen on {host}:{port}: {e.strerror}; pass another --port.") from None
     sock.set_inheritable(True)
     return sock
+
+
+def log_lines() -> None:
+    """gpt2edge's own log lines (the JSON access log, load and failure notes) on stderr, one per line; set before
+    the scheduler's build starts, so that its notes (continuous batching off, ...) have their form too."""
+    for name in ("gpt2edge.access", "gpt2edge.serve"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(message)s" if name.endswith("access") else "%(levelname)s: "
+                                                   "%(message)s"))  # fmt: skip
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
 
 
 class SchedulerLoading:
