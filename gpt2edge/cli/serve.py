@@ -222,6 +222,9 @@ def serve(
         from gpt2edge.serve.hosting.server import loading_app, serve_forever
 
         serve_forever(lambda on_error: loading_app(scheduling, config, on_error), sock, on_ready=ready)
-    except BaseException:
-        scheduling.wait()  # no session left building while the error (or Ctrl-C) ends the process
-        raise
+    finally:
+        # a Ctrl-C or SIGTERM during the load (serve_forever returns after it) or an error: the process must not
+        # end while ONNX Runtime builds the session (it aborts)
+        if not scheduling.done():
+            click.echo("stopping: waiting for the model load to end (Ctrl-C again quits at once)", err=True)
+        scheduling.wait()

@@ -307,21 +307,33 @@ def test_entries_of_deleted_folders_and_interrupted_saves_are_pruned(folder, tmp
     time.sleep(0.1)
     load(gone)
     (gone_entry,) = entries()
+    away = tmp_path / "away"
+    shutil.copytree(folder, away)
+    time.sleep(0.1)
+    load(away)
+    (away_entry,) = entries() - {gone_entry}
     shutil.rmtree(gone)
+    shutil.rmtree(away)
     root = verified.cache_root() / "graphs"
+    old = time.time() - graph_cache.STALE_BUILD_S - 60
+    os.utime(root / gone_entry / graph_cache.RECORD_NAME, (old, old))  # unused for over a day; away's is recent
     stale, fresh = root / ".build-interrupted", root / ".build-running"
-    for d in (stale, fresh):
+    foreign = [root / "my-notes", root / ".venv-old", root / ("0" * 39 + "g")]  # not names the cache gives
+    for d in (stale, fresh, *foreign):
         d.mkdir()
         (d / "model.onnx").write_bytes(b"x" * 100)
-    old = time.time() - graph_cache.STALE_BUILD_S - 60
-    os.utime(stale, (old, old))
+        os.utime(d, (old, old)) if d != fresh else None
     load(folder)  # a new entry prunes the others
     assert gone_entry not in entries() and stale.name not in entries()
-    assert fresh.name in entries() and len(entries()) == 2  # a save that may still be running stays
+    # a save that may still be running stays; so does an entry whose folder went missing only recently
+    # (media unplugged), and whatever the cache did not name
+    assert {fresh.name, away_entry, *(d.name for d in foreign)} < entries() and len(entries()) == 6
 
 
 def test_a_cache_limit_that_is_not_a_size_is_said_and_the_default_used():
     with pytest.warns(RuntimeWarning, match="GPT2EDGE_GRAPH_CACHE_BYTES='lots' is not a size"):
         assert graph_cache.limit_bytes({"GPT2EDGE_GRAPH_CACHE_BYTES": "lots"}) == graph_cache.DEFAULT_LIMIT
+    with pytest.warns(RuntimeWarning, match="is not a size"):  # a number past any float
+        assert graph_cache.limit_bytes({"GPT2EDGE_GRAPH_CACHE_BYTES": "9" * 400}) == graph_cache.DEFAULT_LIMIT
     assert graph_cache.limit_bytes({"GPT2EDGE_GRAPH_CACHE_BYTES": "2G"}) == 2 << 30
     assert graph_cache.limit_bytes({}) == graph_cache.DEFAULT_LIMIT

@@ -153,6 +153,11 @@ def test_serve_starts_the_load_after_its_port_and_before_the_server_imports_then
         "    print('AT-BUILD ' + json.dumps(sorted(sys.modules)), file=sys.stderr, flush=True)\n"
         "    build(self, *a)\n"
         "startup.SchedulerLoading.__init__ = init\n"
+        "bind = startup.bind_socket\n"
+        "def bound(*a):\n"
+        "    print('AT-BIND []', file=sys.stderr, flush=True)\n"
+        "    return bind(*a)\n"
+        "startup.bind_socket = bound\n"
         "from gpt2edge.cli import main\n"
         f"main(['serve', {str(tiny_export)!r}, '--port', '0', '--model-name', 'tiny', '-t', '1'])\n"
     )
@@ -168,11 +173,11 @@ def test_serve_starts_the_load_after_its_port_and_before_the_server_imports_then
                 seen.setdefault(line.split(" ", 1)[0], json.loads(line.split(" ", 1)[1]))
             if "model tiny loaded" in line or "loading the model failed" in line:
                 break
-        assert set(seen) == {"AT-START", "AT-BUILD"} and "model tiny loaded" in log[-1], "".join(log)
+        assert list(seen) == ["AT-BIND", "AT-START", "AT-BUILD"], "".join(log)  # the port bound before any load
+        assert "model tiny loaded" in log[-1], "".join(log)
         late = ("fastapi", "uvicorn", "starlette", "gpt2edge.serve.hosting.server", "gpt2edge.serve.api")
         for at in seen.values():
             assert [m for m in at if m.startswith(late)] == []
-            assert "gpt2edge.serve.hosting.startup" in at  # the port was bound first
         url = re.search(r"on (http://127\.0\.0\.1:\d+)", proc.stdout.readline()).group(1)
         r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
@@ -180,3 +185,31 @@ def test_serve_starts_the_load_after_its_port_and_before_the_server_imports_then
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=60)
     assert rc == 0, "".join(log) + proc.stderr.read()
+
+
+def test_serve_stopped_during_the_load_waits_for_it_then_exits_0(tiny_export):
+    """A Ctrl-C while the model still loads (the server already up): the process says it waits, lets the load end
+    (ONNX Runtime aborts the process if it exits mid-build) and exits 0."""
+    code = (
+        "import sys, time\n"
+        "from gpt2edge.runtime import open_model\n"
+        "real = open_model.GraphLoading._load\n"
+        "def slow(self):\n"
+        "    time.sleep(3)\n"
+        "    real(self)\n"
+        "    print('LOAD-DONE', file=sys.stderr, flush=True)\n"
+        "open_model.GraphLoading._load = slow\n"
+        "from gpt2edge.cli import main\n"
+        f"main(['serve', {str(tiny_export)!r}, '--port', '0', '-t', '1'])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)  # fmt: skip
+    try:
+        assert "serving" in proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)  # the load sleeps 3 s: it is still running
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "stopping: waiting for the model load to end" in err and "LOAD-DONE" in err, err

@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -47,7 +48,8 @@ EXTERNAL_MIN_BYTES = 1024
 DISK_MARGIN = 1 << 30
 # the cache's size once an entry is written (GPT2EDGE_GRAPH_CACHE_BYTES): one xl fp32 entry and a dozen small ones
 DEFAULT_LIMIT = 16 << 30
-# a save's temporary folder older than this belongs to a start that was interrupted (a save takes seconds)
+# a save's temporary folder older than this belongs to a start that was interrupted (a save takes seconds); an
+# entry whose source graph is missing goes once unused this long (media unplugged for a while keep theirs)
 STALE_BUILD_S = 24 * 3600
 
 
@@ -65,7 +67,7 @@ def limit_bytes(env: dict | None = None) -> int:
 
     try:
         return parse_size(text)
-    except ValueError:
+    except (ValueError, OverflowError):
         warnings.warn(
             f"GPT2EDGE_GRAPH_CACHE_BYTES={text!r} is not a size (e.g. 8G); using {DEFAULT_LIMIT >> 30}G",
             RuntimeWarning,
@@ -207,7 +209,10 @@ class GraphCache:
                 os.rename(self.dir, old)  # a stale entry leaves first
             os.rename(tmp, self.dir)
             shutil.rmtree(old, ignore_errors=True)
-            prune(self.dir.parent, self.dir, limit_bytes())
+            try:
+                prune(self.dir.parent, self.dir, limit_bytes())
+            except Exception as e:  # the entry is written: bounding the cache must not fail the load
+                warnings.warn(f"the optimized-graph cache was not pruned ({e})", RuntimeWarning, stacklevel=2)
             return True
         except OSError:
             return False
@@ -217,27 +222,31 @@ class GraphCache:
 
 def prune(root: Path, keep: Path, limit: int, now: float | None = None) -> list[Path]:
     """Bound the cache at `root` (its graphs/ folder) once `keep` was written; returns what it removed: entries
-    whose source graph no longer exists, temporary folders of saves older than STALE_BUILD_S (interrupted), then
-    the least recently used entries (the record's mtime: written, or touched by usable()) until the rest, keep
-    included, fit in `limit` bytes. keep is never removed. An entry goes by one rename first, so a reader sees it
-    whole or not at all (one that had just found it usable reloads and rebuilds, saying so in one line)."""
+    whose source graph no longer exists and that went unused for STALE_BUILD_S, temporary folders of saves older
+    than that (interrupted), then the least recently used entries (the record's mtime: written, or touched by
+    usable()) until the rest, keep included, fit in `limit` bytes. keep is never removed, nor anything whose
+    name is not an entry's or a save's. An entry goes by one rename first, so a reader sees it whole or not at
+    all (one that had just found it usable reloads and rebuilds, saying so in one line)."""
     now = time.time() if now is None else now
     removed: list[Path] = []
     entries: list[tuple[float, int, Path]] = []  # (last use, bytes, entry) of the entries that stay for now
     for path in _listing(root):
         if path == keep:
             continue
-        if path.name.startswith("."):  # .build-* / .old-*: another start's save, or one that was interrupted
+        if path.name.startswith((".build-", ".old-")):  # another start's save, or one that was interrupted
             if now - _mtime(path) > STALE_BUILD_S and _remove(path):
                 removed.append(path)
             continue
+        if not _ENTRY_NAME.fullmatch(path.name):  # not one of ours (GraphCache.dir's names): left alone
+            continue
         record = verified.read_record(path / RECORD_NAME, bad={})
+        used = _mtime(path / RECORD_NAME) or _mtime(path)  # no record: the folder's own time
         graph = record.get("graph") if isinstance(record, dict) else None
-        if isinstance(graph, str) and not os.path.exists(graph):  # its folder was deleted or moved
+        if isinstance(graph, str) and _missing(graph) and now - used > STALE_BUILD_S:  # its folder deleted, moved
             if _remove(path):
                 removed.append(path)
             continue
-        entries.append((_mtime(path / RECORD_NAME), _bytes(path), path))
+        entries.append((used, _bytes(path), path))
     total = _bytes(keep) + sum(size for _, size, _ in entries)
     for _, size, path in sorted(entries):  # the least recently used first
         if total <= limit:
@@ -246,6 +255,20 @@ def prune(root: Path, keep: Path, limit: int, now: float | None = None) -> list[
             removed.append(path)
             total -= size
     return removed
+
+
+_ENTRY_NAME = re.compile(r"[0-9a-f]{40}")
+
+
+def _missing(path: str) -> bool:
+    """Whether `path` is known to be gone (not merely unreadable now: a permission error keeps the entry)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _listing(root: Path) -> list[Path]:

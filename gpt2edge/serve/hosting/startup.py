@@ -78,6 +78,9 @@ class SchedulerLoading:
         """The scheduler, once built (the build's own error if it failed)."""
         return self._scheduler.result()
 
+    def done(self) -> bool:
+        return self._scheduler.done()
+
     def wait(self) -> None:
         """Return once the build has ended, built or failed (an error path that must not leave ONNX Runtime
         building a session while the process exits)."""
