@@ -16,9 +16,9 @@ were written (truncated or rewritten in place), or, with verify="full" (the CLI'
 then. Anything else is said in one line (a RuntimeWarning) and the entry is rebuilt. GPT2EDGE_GRAPH_CACHE=0 turns
 the cache off.
 
-The cache is bounded: each entry written prunes the others (prune()): entries whose source graph is gone, the
-leftovers of saves that were interrupted, then the least recently used until the rest fit in
-GPT2EDGE_GRAPH_CACHE_BYTES (default 16G; the entry just written stays even when it alone is larger).
+The cache is bounded: each entry written prunes the others (prune()): entries whose source graph is gone (and
+that went unused a day), the leftovers of saves that were interrupted, then the least recently used until the
+rest fit in GPT2EDGE_GRAPH_CACHE_BYTES (default 16G; the entry just written stays even when it alone is larger).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ DEFAULT_LIMIT = 16 << 30
 # a save's temporary folder older than this belongs to a start that was interrupted (a save takes seconds); an
 # entry whose source graph is missing goes once unused this long (media unplugged for a while keep theirs)
 STALE_BUILD_S = 24 * 3600
+_ENTRY_NAME = re.compile(r"[0-9a-f]{40}")  # GraphCache.dir's names: prune() touches no other folder
 
 
 def enabled(env: dict | None = None) -> bool:
@@ -257,8 +258,6 @@ def prune(root: Path, keep: Path, limit: int, now: float | None = None) -> list[
     return removed
 
 
-_ENTRY_NAME = re.compile(r"[0-9a-f]{40}")
-
 
 def _missing(path: str) -> bool:
     """Whether `path` is known to be gone (not merely unreadable now: a permission error keeps the entry)."""
@@ -281,7 +280,7 @@ def _listing(root: Path) -> list[Path]:
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
-    except OSError:  # no record: the oldest use there is
+    except OSError:  # gone or unreadable: 0 (prune() then takes the entry folder's own time)
         return 0.0
 
 

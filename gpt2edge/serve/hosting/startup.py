@@ -58,7 +58,7 @@ class SchedulerLoading:
     def __init__(self, loading: GraphLoading, config: ServeConfig) -> None:
         self.loading, self.config = loading, config
         self._scheduler: Future[Scheduler] = Future()
-        # daemon: a Ctrl-C during the start ends the process without waiting for the build
+        # daemon: the CLI waits for the build on its way out (wait()); a second Ctrl-C there must still end it
         threading.Thread(target=self._build, name="gpt2edge-load-scheduler", daemon=True).start()
 
     def _build(self) -> None:
@@ -82,6 +82,7 @@ class SchedulerLoading:
         return self._scheduler.done()
 
     def wait(self) -> None:
-        """Return once the build has ended, built or failed (an error path that must not leave ONNX Runtime
-        building a session while the process exits)."""
+        """Return once the build has ended, built or failed, and the graph's load with it (an error path that must
+        not leave ONNX Runtime building a session while the process exits)."""
         self._scheduler.exception()
+        self.loading.wait()
