@@ -8,14 +8,12 @@ after binding its port and before importing the server (FastAPI, uvicorn), and s
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -24,6 +22,7 @@ import pytest
 from gpt2edge.errors import GenerationError, ModelFolderError
 from gpt2edge.runtime.generator import Generator
 from gpt2edge.runtime.open_model import GraphLoading
+from tests.support import python_child
 
 PROMPT = "The quick brown fox"
 OPTIONS = dict(device="cpu", threads=1, spin=True)
@@ -161,9 +160,7 @@ def test_serve_starts_the_load_after_its_port_and_before_the_server_imports_then
         "from gpt2edge.cli import main\n"
         f"main(['serve', {str(tiny_export)!r}, '--port', '0', '--model-name', 'tiny', '-t', '1'])\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)  # fmt: skip
+    proc = python_child("-c", code)
     log: list[str] = []
     try:
         seen: dict[str, list[str]] = {}  # the modules imported when the load and the build started
@@ -202,9 +199,7 @@ def test_serve_stopped_during_the_load_waits_for_it_then_exits_0(tiny_export):
         "from gpt2edge.cli import main\n"
         f"main(['serve', {str(tiny_export)!r}, '--port', '0', '-t', '1'])\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)  # fmt: skip
+    proc = python_child("-c", code)
     try:
         assert "serving" in proc.stdout.readline()
         proc.send_signal(signal.SIGINT)  # the load sleeps 3 s: it is still running

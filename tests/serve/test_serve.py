@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections import deque
@@ -35,6 +33,7 @@ from gpt2edge.serve import ServeConfig  # noqa: E402
 from gpt2edge.serve.scheduling.batch import advance, take_batch  # noqa: E402
 from gpt2edge.serve.scheduling.jobs import Job, Piece, Sampling  # noqa: E402
 from gpt2edge.serve.scheduling.scheduler import Scheduler  # noqa: E402
+from tests.support import python_child  # noqa: E402
 from tests.support.serve import (  # noqa: E402
     GREEDY,
     PROMPTS,
@@ -665,14 +664,7 @@ def test_row_logprobs_go_out_with_their_text(tiny_export, tmp_path):
 
 
 def test_cli_serve_starts_serves_and_stops(tiny_export):
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpt2edge.cli", "serve", str(tiny_export), "--port", "0", "--model-name", "tiny"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc = python_child("-m", "gpt2edge.cli", "serve", str(tiny_export), "--port", "0", "--model-name", "tiny")
     log: list[str] = []
     try:
         line = proc.stdout.readline()
@@ -698,10 +690,8 @@ def test_cli_serve_starts_serves_and_stops(tiny_export):
 def test_cli_serve_notes_from_the_model_load_have_the_servers_form(tiny_export):
     """The scheduler is built on a thread that starts before the server is imported: its notes (here: a prefix
     cache the next-batch scheduler ignores) are printed as the server's own lines ("WARNING: ..."), not raw."""
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     args = [str(tiny_export), "--port", "0", "--model-name", "tiny", "--scheduler", "next-batch"]
-    proc = subprocess.Popen([sys.executable, "-m", "gpt2edge.cli", "serve", *args, "--prefix-cache-bytes", "1M"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    proc = python_child("-m", "gpt2edge.cli", "serve", *args, "--prefix-cache-bytes", "1M")
     log: list[str] = []
     try:
         for err in proc.stderr:

@@ -5,15 +5,12 @@ server serving others."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -24,6 +21,7 @@ from gpt2edge.runtime import Generator  # noqa: E402
 from gpt2edge.serve.api.app import drain  # noqa: E402
 from gpt2edge.serve.api.events import EventBuffer  # noqa: E402
 from gpt2edge.serve.scheduling.jobs import Failure, Piece  # noqa: E402
+from tests.support import python_child  # noqa: E402
 from tests.support.serve import alone, connect, parse_sse, post, read_all, running  # noqa: E402
 
 
@@ -145,9 +143,7 @@ def test_event_buffer_bounds_what_waits_for_the_client():
 
 
 def _cli(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    return subprocess.Popen([sys.executable, "-m", "gpt2edge.cli", "serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    return python_child("-m", "gpt2edge.cli", "serve", *args)
 
 
 def test_a_port_in_use_is_one_error_line_before_the_model_loads(tiny_export):
