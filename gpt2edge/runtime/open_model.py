@@ -1,13 +1,15 @@
 """The one factory that opens a folder's graph: the kind its manifest names (a static export, a sparse or an
 approximate head, or the plain dynamic graph). It sits above runtime/model and runtime/sparse_head, so the model
 room imports nothing from the sparse head's; every caller gets a runtime/model/contract.py Graph. GraphLoading
-starts that load on a thread, for a caller with other work to do meanwhile (the CLI: its imports)."""
+starts that load on a thread (OnThread), for a caller with other work to do meanwhile (the CLI: its imports)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from gpt2edge.runtime.model.contract import Graph
 from gpt2edge.runtime.model.folder import ModelFolder
@@ -56,34 +58,65 @@ class GraphLoading:
         self.folder = ModelFolder.open(model_dir, verify=verify)
         self.verify = verify
         self.options = dict(device=device, threads=threads, spin=spin)  # what Generator(loading=...) checks
-        self._graph: Future[Graph] = Future()
-        self._started = threading.Lock()  # held once the load thread has been started
+        self._graph = OnThread(self._load, "gpt2edge-load-graph")
         if start:
             self.start()
 
+    def _load(self) -> Graph:
+        return load_graph(self.folder, **self.options)
+
     def start(self) -> None:
         """Begin the load on its thread (once: a second call does nothing)."""
-        if self._started.acquire(blocking=False):
-            # daemon: a process that ends without waiting for the load (a second Ctrl-C) is not held open by it
-            try:
-                threading.Thread(target=self._load, name="gpt2edge-load-graph", daemon=True).start()
-            except BaseException as e:  # no thread to be had: result() raises it, wait() does not hang
-                self._graph.set_exception(e)
-                raise
-
-    def _load(self) -> None:
-        try:
-            self._graph.set_result(load_graph(self.folder, **self.options))
-        except BaseException as e:  # raised on the caller's thread by result()
-            self._graph.set_exception(e)
+        self._graph.start()
 
     def result(self) -> Graph:
         """The graph, once loaded (the load's own error if it failed); a load not yet started starts now."""
-        self.start()
         return self._graph.result()
 
     def wait(self) -> None:
         """Return once the load has ended, loaded or failed, or at once if it never started (an error path that
         must not leave ONNX Runtime building a session while the process exits)."""
+        self._graph.wait()
+
+
+T = TypeVar("T")
+
+
+class OnThread(Generic[T]):
+    """build() run once on a daemon thread named `name`, from start() on; its value, or the error it raised, is
+    result()'s on the caller's thread. A start-up step that runs beside the caller's own work (GraphLoading's
+    graph, `gpt2edge serve`'s scheduler)."""
+
+    def __init__(self, build: Callable[[], T], name: str) -> None:
+        self._build, self._name = build, name
+        self._value: Future[T] = Future()
+        self._started = threading.Lock()  # held once the thread has been started
+
+    def start(self) -> None:
+        """Begin on the thread (once: a second call does nothing)."""
+        if self._started.acquire(blocking=False):
+            # daemon: a process that ends without waiting for it (a second Ctrl-C) is not held open by it
+            try:
+                threading.Thread(target=self._run, name=self._name, daemon=True).start()
+            except BaseException as e:  # no thread to be had: result() raises it, wait() does not hang
+                self._value.set_exception(e)
+                raise
+
+    def _run(self) -> None:
+        try:
+            self._value.set_result(self._build())
+        except BaseException as e:  # raised on the caller's thread by result()
+            self._value.set_exception(e)
+
+    def result(self) -> T:
+        """The value, once built (build's own error if it failed); started now if it was not."""
+        self.start()
+        return self._value.result()
+
+    def done(self) -> bool:
+        return self._value.done()
+
+    def wait(self) -> None:
+        """Return once build() has ended, either way, or at once if it never started."""
         if self._started.locked():
-            self._graph.exception()
+            self._value.exception()

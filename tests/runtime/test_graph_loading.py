@@ -69,7 +69,7 @@ def test_a_loading_of_another_folder_is_refused(tiny_export, tiny_export_shared)
 def test_a_loading_not_started_checks_the_folder_and_loads_on_start_or_result(tiny_export, tmp_path, monkeypatch):
     loads = []
     real = GraphLoading._load
-    monkeypatch.setattr(GraphLoading, "_load", lambda self: (loads.append(1), real(self)))
+    monkeypatch.setattr(GraphLoading, "_load", lambda self: (loads.append(1), real(self))[1])
     with pytest.raises(ModelFolderError):  # the folder is checked at construction all the same
         GraphLoading(tmp_path / "nowhere", True, start=False, **OPTIONS)
     loading = GraphLoading(tiny_export, True, start=False, **OPTIONS)
@@ -193,8 +193,9 @@ def test_serve_stopped_during_the_load_waits_for_it_then_exits_0(tiny_export):
         "real = open_model.GraphLoading._load\n"
         "def slow(self):\n"
         "    time.sleep(3)\n"
-        "    real(self)\n"
+        "    graph = real(self)\n"
         "    print('LOAD-DONE', file=sys.stderr, flush=True)\n"
+        "    return graph\n"
         "open_model.GraphLoading._load = slow\n"
         "from gpt2edge.cli import main\n"
         f"main(['serve', {str(tiny_export)!r}, '--port', '0', '-t', '1'])\n"

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from gpt2edge.errors import ServeError
@@ -56,23 +54,21 @@ class SchedulerLoading:
     `load` (create_app(background=True) calls it once the server has started: it then waits for what is left)."""
 
     def __init__(self, loading: GraphLoading, config: ServeConfig) -> None:
+        from gpt2edge.runtime.open_model import OnThread
+
         self.loading, self.config = loading, config
-        self._scheduler: Future[Scheduler] = Future()
-        # daemon: the CLI waits for the build on its way out (wait()); a second Ctrl-C there must still end it
-        threading.Thread(target=self._build, name="gpt2edge-load-scheduler", daemon=True).start()
+        # the CLI waits for the build on its way out (wait()); a second Ctrl-C there must still end it: a daemon
+        self._scheduler = OnThread(self._build, "gpt2edge-load-scheduler")
+        self._scheduler.start()
 
-    def _build(self) -> None:
-        try:
-            from gpt2edge.serve.scheduling.continuous import load_scheduler  # on this thread, beside the server's
+    def _build(self) -> Scheduler:
+        from gpt2edge.serve.scheduling.continuous import load_scheduler  # on this thread, beside the server's
 
-            options = self.loading.options  # the GraphLoading's own, which Generator(loading=...) checks
-            scheduler = load_scheduler(
-                self.loading.folder.path, self.config, options["device"], options["threads"], self.loading.verify,
-                loading=self.loading,
-            )  # fmt: skip
-            self._scheduler.set_result(scheduler)
-        except BaseException as e:  # raised by result(), where the server reports it
-            self._scheduler.set_exception(e)
+        options = self.loading.options  # the GraphLoading's own, which Generator(loading=...) checks
+        return load_scheduler(
+            self.loading.folder.path, self.config, options["device"], options["threads"], self.loading.verify,
+            loading=self.loading,
+        )  # fmt: skip
 
     def result(self) -> Scheduler:
         """The scheduler, once built (the build's own error if it failed)."""
@@ -84,5 +80,5 @@ class SchedulerLoading:
     def wait(self) -> None:
         """Return once the build has ended, built or failed, and the graph's load with it (an error path that must
         not leave ONNX Runtime building a session while the process exits)."""
-        self._scheduler.exception()
+        self._scheduler.wait()
         self.loading.wait()
