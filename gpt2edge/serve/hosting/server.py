@@ -24,11 +24,7 @@ from gpt2edge.errors import ServeError
 from gpt2edge.serve.api.app import abort, create_app, drain
 from gpt2edge.serve.config import ServeConfig
 from gpt2edge.serve.hosting.limits import limited_protocol
-from gpt2edge.serve.hosting.startup import (
-    SchedulerLoading,
-    bind_socket,  # noqa: F401  (its home before: imported from here)
-    log_lines,
-)
+from gpt2edge.serve.hosting.startup import SchedulerLoading, log_lines
 from gpt2edge.serve.scheduling.continuous import load_scheduler
 
 ABORT_S = 2.0  # after --shutdown-timeout: the time running streams get to send their error event and close
