@@ -96,11 +96,14 @@ inroot() {
         mount -o remount,bind,ro "$R/sys" 2>/dev/null || true
         mount --bind "$pipc" "$R/root/.cache/pip"
         mount --bind "$src" "$R/src"
+        # a fresh /tmp per call, and the gpt2edge caches in it: the parity folders are remade at the same paths each
+        # run, and a cache kept in the root from the last run would only say "changed since it was made; rebuilding"
         mount -t tmpfs tmpfs "$R/tmp"
         exec chroot "$R" /usr/bin/env -i HOME=/root PATH='"$VENV"'/bin:/usr/bin:/bin LANG=C.UTF-8 \
             QEMU_CPU="$cpu" PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180 \
             SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt PYTHONDONTWRITEBYTECODE=1 \
-            OMP_NUM_THREADS=1 GPT2EDGE_LANE_CPU="$cpu" GPT2EDGE_KLEIDIAI="${GPT2EDGE_KLEIDIAI:-}" "$@"
+            OMP_NUM_THREADS=1 GPT2EDGE_LANE_CPU="$cpu" GPT2EDGE_KLEIDIAI="${GPT2EDGE_KLEIDIAI:-}" \
+            GPT2EDGE_CACHE_DIR=/tmp/gpt2edge-cache "$@"
     ' inroot "$ROOT" "$info" "$PIPC" "$SRC" "$cpu" "$@"
 }
 

@@ -277,6 +277,25 @@ def test_a_wide_mask_under_top_k_draws_as_the_masked_full_row(scale):
             want = next_tokens(masked, p, history, 2, np.random.default_rng(seed))
             assert (got == want).all(), (options, seed, got, want)
             assert allowed[np.arange(4), got].all()
+    # greedy: the first of the allowed tied best, also where the row's own first best is not allowed
+    picked = next_tokens(scores, SamplingParams(max_new_tokens=8, eos_token_id=(EOS,)), history, 2, None, None, allowed)
+    assert (picked == np.where(allowed, scores, -np.inf).argmax(1)).all()
+
+
+def test_nine_ulps_below_is_at_or_below_nine_nextafter_steps():
+    # _allowed_pool's bound on scaled_top_k's tie stepping (sampling.below_nine_ulps): never above nine float32
+    # steps toward -inf, at binade edges, near zero and among subnormals, on both signs
+    from gpt2edge.runtime.decoding.sampling import below_nine_ulps
+
+    rng = np.random.default_rng(0)
+    edges = [np.float32(2.0**e) for e in range(-130, 120, 7)]
+    values = [*(rng.standard_normal(2000) * 30).astype(np.float32), *edges, *[-e for e in edges], np.float32(0.0),
+              np.float32(1e-45), np.float32(-1e-45), np.finfo(np.float32).tiny]  # fmt: skip
+    for x in values:
+        stepped = x
+        for _ in range(9):
+            stepped = np.nextafter(stepped, np.float32(-np.inf))
+        assert below_nine_ulps(x) <= stepped, x
 
 
 # ---- paths that refuse a constraint, or take it on a trimmed / static folder

@@ -5,12 +5,15 @@ server serving others."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -157,6 +160,31 @@ def test_a_port_in_use_is_one_error_line_before_the_model_loads(tiny_export):
     assert err.strip().splitlines() == [
         f"error: Cannot listen on 127.0.0.1:{port}: Address already in use; pass another --port."
     ]
+
+
+def test_a_warning_while_the_server_loads_is_one_warning_line(tiny_export, tmp_path, monkeypatch):
+    # the optimized-graph cache warns from the scheduler's load thread (here: a cache limit that is not a size);
+    # serve prints it as the other commands do, one `warning:` line, not Python's two lines with a source path
+    folder = Path(shutil.copytree(tiny_export, tmp_path / "tiny"))
+    for f in folder.iterdir():  # settled files (a graph written in the last 2 s is not cached: graph_cache.py)
+        os.utime(f, (time.time() - 3600, time.time() - 3600))
+    monkeypatch.setenv("GPT2EDGE_CACHE_DIR", str(tmp_path / "cache"))  # empty: the graph is saved, then pruned
+    monkeypatch.setenv("GPT2EDGE_GRAPH_CACHE_BYTES", "lots")
+    proc = _cli(str(folder), "--port", "0")
+    try:
+        url = re.search(r"on (http://127\.0\.0\.1:\d+)", proc.stdout.readline()).group(1)
+        for _ in range(400):
+            if httpx.get(url + "/health", timeout=10).status_code == 200:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    lines = proc.stderr.read().splitlines()
+    warned = [line for line in lines if "GPT2EDGE_GRAPH_CACHE_BYTES" in line]
+    assert warned == ["warning: GPT2EDGE_GRAPH_CACHE_BYTES='lots' is not a size (e.g. 8G); using 16G"], lines
+    assert not any("RuntimeWarning" in line or "warnings.warn" in line for line in lines), lines
 
 
 def test_sigterm_finishes_running_streams_then_exits_0(tiny_export):

@@ -200,13 +200,12 @@ def fill_words(rows: Sequence[RowMatcher]) -> np.ndarray:
     """(len(rows), ceil(engine_vocab / 32)) int32: the engine's packed next-token bitmasks of the rows' states, in
     one engine call (its thread pool when there are several rows; the call releases the GIL). The rows may come
     from different constraints that share one executor and one engine vocabulary (a server step's requests)."""
-    llg_np = _llg_numpy()
     compiled = rows[0].compiled
     words = np.full((len(rows), (compiled.engine_vocab + 31) // 32), -1, dtype=np.int32)
-    if len(rows) == 1:
-        llg_np.fill_next_token_bitmask(rows[0]._m, words, 0)
+    if len(rows) == 1:  # fill_next_token_bitmask's own call, without its checks of the array made above
+        rows[0]._m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
     else:
-        llg_np.fill_next_token_bitmask_par(compiled.executor, [(r._m, i) for i, r in enumerate(rows)], words)
+        _llg_numpy().fill_next_token_bitmask_par(compiled.executor, [(r._m, i) for i, r in enumerate(rows)], words)
     return words
 
 
@@ -222,12 +221,15 @@ def masks_from_words(rows: Sequence[RowMatcher], words: np.ndarray, eos_ids: Seq
         bits = np.concatenate([bits, np.zeros((len(rows), V - w), dtype=bool)], axis=1)
     for r in rows:
         r.check()
-    engine_eos = [t for t in compiled.engine_eos if t < V]
-    if engine_eos:
-        bits[:, engine_eos] = False  # the engine's end token is the call's to allow
-    ends = [t for t in eos_ids if t < V]
+    # a column at a time: one or two end tokens, and fancy indexing costs more than the rest of this function
+    ends = {int(t) for t in eos_ids if t < V}
+    for t in compiled.engine_eos:
+        if t < V and t not in ends:
+            bits[:, t] = False  # the engine's end token is the call's to allow
     if ends:
-        bits[:, ends] = np.array([r.accepts_eos for r in rows])[:, None]
+        accepts = [r.accepts_eos for r in rows]
+        for t in ends:
+            bits[:, t] = accepts
     return bits
 
 

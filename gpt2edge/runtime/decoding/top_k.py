@@ -10,7 +10,7 @@ from gpt2edge.runtime.decoding.processors import NEG_INF
 
 def take(ids: np.ndarray | None, vals: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Keep positions `keep` (indices or a mask into vals) of the surviving tokens."""
-    keep = np.flatnonzero(keep) if keep.dtype == bool else keep
+    keep = keep.nonzero()[0] if keep.dtype == bool else keep  # (np.flatnonzero's Python layer: ~8 us a call)
     return (keep if ids is None else ids[keep]), vals[keep]
 
 
@@ -41,7 +41,7 @@ def top_k_pool(vals: np.ndarray, k: int) -> np.ndarray:
     stride = max(1, n // (16 * k))
     sample = vals[::stride]
     rank = min(len(sample) - 1, 4 * -(-k // stride))
-    pool = np.flatnonzero(vals >= np.partition(sample, len(sample) - 1 - rank)[len(sample) - 1 - rank])
+    pool = (vals >= np.partition(sample, len(sample) - 1 - rank)[len(sample) - 1 - rank]).nonzero()[0]
     if len(pool) < k:
         pool = np.arange(n)
     kth = np.partition(vals[pool], len(pool) - k)[len(pool) - k]
@@ -78,6 +78,6 @@ def scaled_top_k(row: np.ndarray, temperature: float, k: int) -> tuple[np.ndarra
     if not np.isfinite(vals).all():
         return None
     if lo < kth:  # a score below the k-th rounds onto its quotient: the pool as the divided row gives it
-        pool = np.flatnonzero(row >= lo)
+        pool = (row >= lo).nonzero()[0]
         vals = row[pool] / t
     return pool, vals

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
+import warnings
 from typing import TYPE_CHECKING
 
 from gpt2edge.errors import ServeError
@@ -36,8 +38,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def log_lines() -> None:
-    """gpt2edge's own log lines (the JSON access log, load and failure notes) on stderr, one per line; set before
-    the scheduler's build starts, so that its notes (continuous batching off, ...) have their form too."""
+    """gpt2edge's own log lines (the JSON access log, load and failure notes) on stderr, one per line, and Python
+    warnings (a stale optimized-graph cache, a bad GPT2EDGE_GRAPH_CACHE_BYTES, ...) as one `warning:` line each, as
+    the other commands print them; set before the scheduler's build starts, so that its notes have their form too."""
+    warnings.showwarning = one_line_warning
     for name in ("gpt2edge.access", "gpt2edge.serve"):
         logger = logging.getLogger(name)
         if not logger.handlers:
@@ -47,6 +51,15 @@ def log_lines() -> None:
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
             logger.propagate = False
+
+
+def one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """warnings.showwarning's replacement: `warning: MESSAGE` on stderr, without the source path and line that
+    Python's two-line form adds (a server's operator reads these among the log lines)."""
+    try:
+        print(f"warning: {message}", file=sys.stderr if file is None else file, flush=True)
+    except (OSError, ValueError):  # stderr closed (a daemon's): a warning is never worth an error
+        pass
 
 
 class SchedulerLoading:
