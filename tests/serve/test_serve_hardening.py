@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
 import signal
 import socket
@@ -25,7 +24,7 @@ from gpt2edge.serve.api.app import drain  # noqa: E402
 from gpt2edge.serve.api.events import EventBuffer  # noqa: E402
 from gpt2edge.serve.scheduling.jobs import Failure, Piece  # noqa: E402
 from tests.support import python_child  # noqa: E402
-from tests.support.serve import alone, connect, parse_sse, post, read_all, running  # noqa: E402
+from tests.support.serve import alone, cli_ready, connect, parse_sse, post, read_all, running  # noqa: E402
 
 
 def test_idle_and_half_sent_requests_are_timed_out(tiny_export):
@@ -172,11 +171,7 @@ def test_a_warning_while_the_server_loads_is_one_warning_line(tiny_export, tmp_p
     monkeypatch.setenv("GPT2EDGE_GRAPH_CACHE_BYTES", "lots")
     proc = _cli(str(folder), "--port", "0")
     try:
-        url = re.search(r"on (http://127\.0\.0\.1:\d+)", proc.stdout.readline()).group(1)
-        for _ in range(400):
-            if httpx.get(url + "/health", timeout=10).status_code == 200:
-                break
-            time.sleep(0.05)
+        cli_ready(proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
@@ -190,11 +185,7 @@ def test_a_warning_while_the_server_loads_is_one_warning_line(tiny_export, tmp_p
 def test_sigterm_finishes_running_streams_then_exits_0(tiny_export):
     proc = _cli(str(tiny_export), "--port", "0", "--model-name", "tiny", "--shutdown-timeout", "20")
     try:
-        url = re.search(r"on (http://127\.0\.0\.1:\d+)", proc.stdout.readline()).group(1)
-        for _ in range(200):
-            if httpx.get(url + "/health", timeout=10).status_code == 200:
-                break
-            time.sleep(0.05)
+        url = cli_ready(proc, tries=200)
         body = {"prompt": "a", "max_tokens": 100, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", timeout=60, json=body) as r:
             lines = r.iter_lines()

@@ -4,6 +4,7 @@ server on a thread, a slowed scheduler to leave mid-stream, HTTP and SSE clients
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from contextlib import contextmanager
@@ -115,6 +116,17 @@ async def stream_one(client: httpx.AsyncClient, body: dict, leave_after: int | N
                 if leave_after is not None and len(events) >= leave_after:
                     return events
     return events
+
+
+def cli_ready(proc, tries: int = 400) -> str:
+    """The URL a `gpt2edge serve` child prints on its first stdout line, once its /health says 200 (the model
+    loaded; up to tries x 50 ms)."""
+    url = re.search(r"on (http://127\.0\.0\.1:\d+)", proc.stdout.readline()).group(1)
+    for _ in range(tries):
+        if httpx.get(url + "/health", timeout=10).status_code == 200:
+            break
+        time.sleep(0.05)
+    return url
 
 
 def wait_idle(url: str, timeout: float = 20.0) -> dict:
