@@ -213,10 +213,10 @@ def serve(
     # a bad folder: one error line before the port is taken; a port in use: one before the model loads
     loading = GraphLoading(model_dir, verify_mode(no_verify, full_verify), device, threads, spin=False, start=False)
     sock = bind_socket(host, port)
+    log_lines()  # before the load starts: its warnings (a stale optimized-graph cache) in the log's one-line form
     # the session and the scheduler are built on threads while the server's modules import here (a cold start),
     # and the model goes on loading while the server answers (/health: "loading"); a failed load stops it
     loading.start()
-    log_lines()
     scheduling = SchedulerLoading(loading, config)
     try:
         from gpt2edge.serve.hosting.server import loading_app, serve_forever

@@ -124,9 +124,9 @@ def cli_ready(proc, tries: int = 400) -> str:
     url = re.search(r"on (http://127\.0\.0\.1:\d+)", proc.stdout.readline()).group(1)
     for _ in range(tries):
         if httpx.get(url + "/health", timeout=10).status_code == 200:
-            break
+            return url
         time.sleep(0.05)
-    return url
+    raise AssertionError(f"{url}/health did not answer 200 within {tries * 0.05:.0f} s")
 
 
 def wait_idle(url: str, timeout: float = 20.0) -> dict:

@@ -266,7 +266,7 @@ def _allowed_pool(row: np.ndarray, mask: np.ndarray, k: int) -> np.ndarray | Non
     if len(pool) < k:
         return None
     kth = np.partition(row[pool], len(pool) - k)[len(pool) - k]  # the k-th allowed score
-    return pool if threshold <= below_nine_ulps(kth) else None
+    return pool if float(threshold) <= below_nine_ulps(kth) else None  # in float64: a float16 row would round it
 
 
 def below_nine_ulps(x: float) -> float:
