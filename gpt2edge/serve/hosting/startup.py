@@ -9,7 +9,7 @@ import logging
 import socket
 import sys
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from gpt2edge.errors import ServeError
 
@@ -53,7 +53,14 @@ def log_lines() -> None:
             logger.propagate = False
 
 
-def one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+def one_line_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
     """warnings.showwarning's replacement: `warning: MESSAGE` on stderr, without the source path and line that
     Python's two-line form adds (a server's operator reads these among the log lines)."""
     try:
