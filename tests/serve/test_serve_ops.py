@@ -23,7 +23,7 @@ from gpt2edge.serve.api.app import create_app  # noqa: E402
 from gpt2edge.serve.hosting.server import BackgroundServer  # noqa: E402
 from gpt2edge.serve.scheduling.continuous import ContinuousScheduler  # noqa: E402
 from gpt2edge.serve.scheduling.jobs import Sampling  # noqa: E402
-from tests.support.serve import GREEDY, PROMPTS, alone, parse_sse, post, running  # noqa: E402
+from tests.support.serve import GREEDY, PROMPTS, alone, parse_sse, post, running, wait_ready  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +84,7 @@ def test_health_says_loading_until_the_model_is_ready(tiny_export):
         r = post(url, {"prompt": "a", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "loading" and r.headers["retry-after"]
         release.set()
-        for _ in range(400):
-            if httpx.get(url + "/health").status_code == 200:
-                break
-            threading.Event().wait(0.05)
+        wait_ready(url)
         assert httpx.get(url + "/health").json()["status"] == "ok"
         assert post(url, {"prompt": "a", "max_tokens": 2}).status_code == 200
 

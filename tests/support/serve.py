@@ -119,12 +119,17 @@ async def stream_one(client: httpx.AsyncClient, body: dict, leave_after: int | N
 
 
 def cli_ready(proc, tries: int = 400) -> str:
-    """The URL a `gpt2edge serve` child prints on its first stdout line, once its /health says 200 (the model
-    loaded; up to tries x 50 ms)."""
+    """The URL a `gpt2edge serve` child prints on its first stdout line, once its /health says 200 (wait_ready)."""
     url = re.search(r"on (http://127\.0\.0\.1:\d+)", proc.stdout.readline()).group(1)
+    wait_ready(url, tries)
+    return url
+
+
+def wait_ready(url: str, tries: int = 400) -> None:
+    """Return once the server's /health says 200 (the model loaded), polled every 50 ms up to `tries` times."""
     for _ in range(tries):
         if httpx.get(url + "/health", timeout=10).status_code == 200:
-            return url
+            return
         time.sleep(0.05)
     raise AssertionError(f"{url}/health did not answer 200 within {tries * 0.05:.0f} s")
 
